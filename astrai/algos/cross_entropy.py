@@ -1,0 +1,24 @@
+"""Next-token cross-entropy, summed, so the caller divides once by the global valid-token count.
+
+Dividing each micro-batch by its own token count weights short and long micro-batches alike and
+breaks `micro 2 x accumulation 2 == micro 4 x accumulation 1`; a sum over valid tokens divided by
+the step's global count does not (torchtitan's `global_valid_tokens`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def next_token_cross_entropy_sum(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of -log p(input_ids[:, t] | input_ids[:, <t]) over positions t >= 1 with loss_mask[:, t] = 1.
+
+    logits: [batch, seq_len, vocab] (any float dtype; computed in fp32); input_ids, loss_mask: [batch, seq_len].
+    Returns (loss_sum: scalar tensor with grad, token_count: scalar long tensor).
+    """
+    targets = input_ids[:, 1:]
+    weights = loss_mask[:, 1:].to(torch.bool)
+    predictions = logits[:, :-1][weights].float()  # [valid_tokens, vocab]
+    loss_sum = F.cross_entropy(predictions, targets[weights], reduction="sum")
+    return loss_sum, weights.sum()

@@ -1,0 +1,69 @@
+"""Per-token and per-sequence log-probabilities from a causal language model's logits.
+
+log p(y_t | y_<t) = logits_t[y_t] - logsumexp_v logits_t[v]
+
+Memory: `log_softmax(logits)` would materialise a second [batch, seq_len, vocab] tensor (and a
+float32 copy of a bfloat16 one is twice the size again). We subtract the logsumexp instead and
+go one sequence at a time, so the extra memory peaks at one [seq_len, vocab] float32 block.
+Results are float32 whatever the logits' dtype: bfloat16 has ~3 significant digits, too few for
+the log-ratios PPO and DPO take of these numbers.
+
+Labels < 0 (the -100 "ignore index" of Hugging Face) are allowed and give 0; mask them out.
+"""
+
+import torch
+
+from astrai.algos.masked import masked_sum
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p(labels[b, t] | ...) read from logits[b, t]: logits[b, t, label] - logsumexp(logits[b, t]).
+
+    logits: [batch, seq_len, vocab] (any float dtype); labels: [batch, seq_len] token ids,
+    already aligned with the logits (see `shift_for_next_token`).
+    Returns [batch, seq_len] in float32 (float64 for float64 logits); 0 where labels < 0.
+    Differentiable with respect to the logits.
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} do not match labels {tuple(labels.shape)}")
+    ignored = labels < 0
+    safe_labels = torch.where(ignored, torch.zeros_like(labels), labels)
+    rows = []
+    for row_logits, row_labels in zip(logits, safe_labels):  # one [seq_len, vocab] block at a time
+        row_logits = row_logits.to(_compute_dtype(logits.dtype))
+        chosen = torch.gather(row_logits, -1, row_labels.unsqueeze(-1)).squeeze(-1)
+        rows.append(chosen - torch.logsumexp(row_logits, dim=-1))
+    if rows:
+        logps = torch.stack(rows)
+    else:
+        logps = torch.zeros(labels.shape, dtype=_compute_dtype(logits.dtype), device=logits.device)
+    return torch.where(ignored, torch.zeros_like(logps), logps)
+
+
+def sequence_logprobs(token_logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log p(sequence) = sum_t mask[b, t] * token_logps[b, t].
+
+    token_logps, mask: [batch, seq_len]. Returns [batch]. Padding does not enter, whatever it holds.
+    """
+    return masked_sum(token_logps, mask, dim=-1)
+
+
+def shift_for_next_token(
+    logits: torch.Tensor, input_ids: torch.Tensor, mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Align next-token predictions with their targets: logits at t predict the token at t + 1.
+
+    logits: [batch, seq_len, vocab]; input_ids, mask: [batch, seq_len], where mask marks the
+    tokens to score (e.g. the response tokens of a prompt + response sequence).
+    Returns (logits[:, :-1], input_ids[:, 1:], mask[:, 1:]), each of length seq_len - 1;
+    the first token is never scored (nothing predicts it). Views, no copies.
+    """
+    if logits.shape[:-1] != input_ids.shape or input_ids.shape != mask.shape:
+        raise ValueError(
+            f"shapes differ: logits {tuple(logits.shape)}, input_ids {tuple(input_ids.shape)}, mask {tuple(mask.shape)}"
+        )
+    return logits[:, :-1], input_ids[:, 1:], mask[:, 1:]

@@ -1,0 +1,111 @@
+"""Build a run from a validated job: tokenizer, data, order, strategy, engines. No training here."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+
+from astrai.config import JobConfig, resolve_template
+from astrai.data.sampler import ShardedOrder
+from astrai.data.sources import iter_texts, load_rows
+from astrai.engine import DistInfo, Engine, barrier, build_ds_config, lr_lambda, make_engine, resolve_precision, zero3_loading
+from astrai.models.policy import build_policy
+from astrai.models.tokenizer import build_tokenizer, load_tokenizer, save_tokenizer
+from astrai.strategies import Strategy, strategy_class
+
+logger = logging.getLogger("astrai.build")
+
+
+@dataclass
+class Run:
+    job: JobConfig
+    dist: DistInfo
+    output_dir: Path
+    tokenizer: object
+    strategy: Strategy
+    dataset: datasets.Dataset
+    order: ShardedOrder
+    total_steps: int
+    engines: dict[str, Engine]
+    skipped_rows: int
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.job.train.micro_batch_size * self.job.train.grad_accum_steps * self.dist.world_size
+
+
+def make_tokenizer(job: JobConfig, rows, output_dir: Path, is_main: bool):
+    if job.tokenizer.build is not None:
+        fields = (job.data.text_field, job.data.messages_field, job.data.prompt_field, job.data.response_field, job.data.chosen_field, job.data.rejected_field)
+        tokenizer = build_tokenizer(job.tokenizer.build.kind, iter_texts(rows, fields), job.tokenizer.build.vocab_size)
+        if job.tokenizer.chat_template:
+            tokenizer.chat_template = job.tokenizer.chat_template
+        if is_main:
+            save_tokenizer(tokenizer, output_dir / "tokenizer")
+        return tokenizer
+    return load_tokenizer(job.tokenizer.path or job.model.path, job.tokenizer.chat_template)
+
+
+def prepare_dataset(strategy: Strategy, rows, is_main: bool) -> tuple[datasets.Dataset, int]:
+    """Rank 0 tokenises first; the others then read its cache instead of repeating the work."""
+    if is_main:
+        result = strategy.prepare_data(rows)
+    barrier()
+    if not is_main:
+        result = strategy.prepare_data(rows)
+    return result
+
+
+def total_steps(job: JobConfig, num_samples: int, samples_per_step: int) -> int:
+    if job.train.max_steps is not None:
+        return job.train.max_steps
+    return max(1, math.ceil(job.train.epochs * num_samples / samples_per_step))
+
+
+def engine_config(job: JobConfig, source: str, *, lr: float, max_grad_norm: float | None, zero_stage: int | None = None) -> dict:
+    template = resolve_template(job.deepspeed.config, source) if job.deepspeed.config else None
+    return build_ds_config(
+        job.deepspeed,
+        template_path=template,
+        micro_batch_size=job.train.micro_batch_size,
+        grad_accum_steps=job.train.grad_accum_steps,
+        max_grad_norm=max_grad_norm,
+        precision=resolve_precision(job.model.dtype),
+        lr=lr,
+        betas=job.train.adam_betas,
+        eps=job.train.adam_eps,
+        zero_stage=zero_stage,
+    )
+
+
+def warmup_steps(job: JobConfig, steps: int) -> int:
+    if job.train.warmup_steps is not None:
+        return job.train.warmup_steps
+    return round((job.train.warmup_ratio or 0.0) * steps)
+
+
+def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
+    output_dir = Path(job.output_dir)
+    rows = load_rows(job.data.path, job.data.format, output_dir / "cache" / "datasets")
+    tokenizer = make_tokenizer(job, rows, output_dir, dist.is_main)
+    strategy = strategy_class(job.train.train_type)(job, tokenizer)
+    dataset, skipped = prepare_dataset(strategy, rows, dist.is_main)
+    if skipped:
+        logger.warning("skipped %d malformed rows (data.on_bad_row: skip)", skipped)
+    order = ShardedOrder(len(dataset), job.train.micro_batch_size, dist.world_size, dist.rank, job.train.seed, job.data.shuffle)
+    steps = total_steps(job, order.samples_per_epoch, job.train.micro_batch_size * job.train.grad_accum_steps * dist.world_size)
+    ds_config = engine_config(job, source, lr=job.train.lr, max_grad_norm=job.train.max_grad_norm)
+    with zero3_loading(ds_config, job.model.zero3_init and job.model.path is not None):
+        model = build_policy(job.model, tokenizer, job.train.seed)
+    schedule = lr_lambda(steps, warmup_steps(job, steps), job.train.lr_schedule, job.train.min_lr_ratio)
+    policy = make_engine(model, ds_config, weight_decay=job.train.weight_decay, schedule=schedule)
+    logger.info(
+        "%s: %d samples, %d steps of %d samples, ZeRO-%d, %s, %.2fM parameters",
+        job.train.train_type, len(dataset), steps, job.train.micro_batch_size * job.train.grad_accum_steps * dist.world_size,
+        policy.zero_stage, resolve_precision(job.model.dtype), sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()) / 1e6,
+    )
+    return Run(job, dist, output_dir, tokenizer, strategy, dataset, order, steps, {"policy": policy}, skipped)

@@ -1,0 +1,149 @@
+"""The trainer's side of checkpoints: what goes into one, and how a run resumes from it.
+
+`astrai/checkpoint/` publishes and verifies directories and knows nothing of training; this module
+decides the content: one DeepSpeed folder per engine (`policy/`, later `critic/`), the trainer
+state (step, data position, per-rank RNG) and the resolved job.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import pickle
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy
+import torch
+
+from astrai.checkpoint import CheckpointError, CheckpointPublisher, find_latest, read_manifest, require_parts, verify_checkpoint
+from astrai.config import dump_job
+from astrai.engine import all_gather_objects, barrier
+from astrai.metrics import METRICS_FILE, trim_metrics
+
+logger = logging.getLogger("astrai.checkpointing")
+
+STATE_FILE = "trainer_state.json"
+
+
+@dataclass
+class TrainerState:
+    step: int = 0
+    consumed_samples: int = 0
+    epoch: int = 0
+    policy_version: int = 0
+    elapsed_s: float = 0.0
+    world_size: int = 1
+    rng: list[str] = field(default_factory=list)  # one encoded RNG snapshot per rank
+
+
+def capture_rng() -> str:
+    snapshot = {"python": random.getstate(), "numpy": numpy.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        snapshot["cuda"] = torch.cuda.get_rng_state()
+    return base64.b64encode(pickle.dumps(snapshot)).decode()
+
+
+def restore_rng(encoded: str) -> None:
+    snapshot = pickle.loads(base64.b64decode(encoded))
+    random.setstate(snapshot["python"])
+    numpy.random.set_state(snapshot["numpy"])
+    torch.set_rng_state(snapshot["torch"])
+    if "cuda" in snapshot and torch.cuda.is_available():
+        torch.cuda.set_rng_state(snapshot["cuda"])
+
+
+class TrainingCheckpoints:
+    def __init__(self, run):
+        self.run = run
+        self.directory = run.output_dir / "checkpoints"
+        config = run.job.checkpoint
+        self.publisher = CheckpointPublisher(
+            self.directory, hash_name=config.hash, keep_last=config.keep_last, timeout_s=config.save_timeout_s
+        )
+
+    def due(self, step: int, total_steps: int) -> bool:
+        every = self.run.job.checkpoint.every_steps
+        return step == total_steps or (every is not None and step % every == 0)
+
+    def save(self, state: TrainerState, metrics) -> Path:
+        run = self.run
+        state.world_size = run.dist.world_size
+        state.rng = all_gather_objects(capture_rng())
+        metrics.flush()  # the metric log is durable before the checkpoint that it describes
+
+        def write(staging: Path) -> None:
+            for name, engine in run.engines.items():
+                engine.save(staging / name)
+            if run.dist.is_main:
+                (staging / STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
+                (staging / "job.yaml").write_text(dump_job(run.job))
+
+        meta = {
+            "train_type": run.job.train.train_type,
+            "zero_stage": {name: engine.zero_stage for name, engine in run.engines.items()},
+            "precision": {name: engine.ds_config["bf16"]["enabled"] and "bf16" or "fp32" for name, engine in run.engines.items()},
+        }
+        path = self.publisher.publish(state.step, write, parts=sorted(run.engines), meta=meta)
+        logger.info("published checkpoint %s", path)
+        return path
+
+    def locate(self) -> Path | None:
+        """The checkpoint this run resumes from, or None for a fresh start."""
+        choice = self.run.job.checkpoint.resume
+        if choice == "never":
+            return None
+        if choice == "auto":
+            return find_latest(self.directory)
+        path = Path(choice)
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint.resume: {choice!r} is not a directory")
+        return path
+
+    def resume(self) -> TrainerState:
+        run = self.run
+        if run.dist.is_main:
+            self.publisher.cleanup_stale()
+        barrier()
+        path = self.locate()
+        state = TrainerState(world_size=run.dist.world_size)
+        if path is not None:
+            state = self._load(path)
+        if run.dist.is_main:
+            dropped = trim_metrics(run.output_dir / METRICS_FILE, state.step)
+            if dropped:
+                logger.info("trimmed %d metric records past step %d from %s", dropped, state.step, METRICS_FILE)
+        barrier()
+        return state
+
+    def _load(self, path: Path) -> TrainerState:
+        run = self.run
+        manifest = read_manifest(path)
+        required = run.strategy.required_parts
+        require_parts(path, required)
+        if manifest is None:
+            logger.warning("%s has no manifest (a legacy or plain DeepSpeed checkpoint): loading it unverified", path)
+        elif run.job.checkpoint.verify_on_load:
+            report = verify_checkpoint(path)
+            logger.info("verified %s: %s", path, report)
+        for name in required:
+            part = path / name
+            run.engines[name].load(part if part.is_dir() else path)
+        state_file = path / STATE_FILE
+        if state_file.is_file():
+            state = TrainerState(**json.loads(state_file.read_text()))
+        else:  # plain DeepSpeed checkpoint: the step is all it knows
+            step = run.engines["policy"].global_steps
+            state = TrainerState(step=step, consumed_samples=step * run.samples_per_step, policy_version=step)
+            logger.warning("no %s in %s: continuing from step %d, data position derived from it", STATE_FILE, path, step)
+        if state.world_size == run.dist.world_size and len(state.rng) == run.dist.world_size:
+            restore_rng(state.rng[run.dist.rank])
+        else:
+            # Per-rank RNG cannot carry over to another world size: reseed deterministically instead.
+            torch.manual_seed(run.job.train.seed * 7919 + state.step * 31 + run.dist.rank)
+            logger.warning("world size changed (%d -> %d): RNG reseeded per rank from (seed, step, rank)", state.world_size, run.dist.world_size)
+        state.epoch = run.order.epoch_of(state.consumed_samples)
+        logger.info("resumed from %s at step %d (%d samples consumed)", path, state.step, state.consumed_samples)
+        return state

@@ -1,0 +1,159 @@
+"""Typed schema of the job YAML.
+
+Every field is documented once, here, in its `description`; `docs/guides/config.md` lists every
+key and a test keeps the two in step. Unknown keys are errors (`extra="forbid"`) so a typo never
+silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class ModelConfig(Section):
+    path: str | None = Field(None, description="Local folder of a transformers causal LM (config + weights). Exclusive with `init`.")
+    init: dict[str, Any] | None = Field(
+        None,
+        description="Architecture block for a freshly initialised model: `model_type` plus any config field of that "
+        "transformers architecture (e.g. hidden_size, num_hidden_layers). `vocab_size` defaults to the tokenizer's.",
+    )
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="Training precision. `auto`: bf16 on GPUs that support it, fp32 on CPU."
+    )
+    attn_implementation: str | None = Field(
+        None, description="Attention kernel handed to transformers (`sdpa`, `eager`, `flash_attention_2`). Env ASTR_BACKEND overrides."
+    )
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    zero3_init: bool = Field(
+        True, description="Under ZeRO-3, load `model.path` weights partitioned (never a full copy per rank)."
+    )
+    reference_path: str | None = Field(
+        None, description="Frozen reference model for `dpo`/RL (default: the policy's starting weights)."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelConfig":
+        if (self.path is None) == (self.init is None):
+            raise ValueError("give exactly one of `model.path` (a local model folder) or `model.init` (an architecture block)")
+        if self.init is not None and "model_type" not in self.init:
+            raise ValueError("`model.init` needs a `model_type` (e.g. llama, qwen2, gpt2)")
+        return self
+
+
+class TokenizerBuild(Section):
+    kind: Literal["char", "bpe"] = Field("char", description="`char`: one token per character seen in the data; `bpe`: byte-level BPE trained on the data.")
+    vocab_size: int = Field(512, ge=16, description="Target vocabulary size for `bpe` (ignored by `char`).")
+
+
+class TokenizerConfig(Section):
+    path: str | None = Field(None, description="Local tokenizer folder (default: `model.path`). Hub names fail offline with a clear error.")
+    build: TokenizerBuild | None = Field(None, description="Build a tokenizer from the training data instead of loading one (small runs).")
+    chat_template: str | None = Field(None, description="Jinja chat template to set on the tokenizer (default: the tokenizer's own, else ChatML).")
+
+
+class DataConfig(Section):
+    path: str = Field(..., description="Training data: a local file, folder or glob of json/jsonl/parquet/arrow files.")
+    format: Literal["auto", "json", "parquet", "arrow"] = Field("auto", description="File format; `auto` reads it from the extension.")
+    text_field: str = Field("text", description="Field with raw text (`seq`).")
+    messages_field: str = Field("messages", description="Field with a chat `[{role, content}]` list (`sft`, `dpo`, RL prompts).")
+    prompt_field: str = Field("prompt", description="Field with a prompt string, used when there is no messages field.")
+    response_field: str = Field("response", description="Field with the response string (`sft` with prompt/response rows).")
+    chosen_field: str = Field("chosen", description="Preferred response (`dpo`).")
+    rejected_field: str = Field("rejected", description="Dispreferred response (`dpo`).")
+    max_seq_len: int = Field(512, ge=8, description="Block length for `seq` packing; longer `sft` rows are truncated.")
+    on_bad_row: Literal["error", "skip"] = Field("error", description="Malformed row: stop with file and row named, or skip and count it in the log.")
+    num_proc: int = Field(1, ge=1, description="Processes for tokenisation (`datasets.map`).")
+    shuffle: bool = Field(True, description="Shuffle each epoch (deterministic for `train.seed` and the epoch).")
+
+
+class TrainConfig(Section):
+    train_type: Literal["seq", "sft", "dpo", "grpo", "online_ppo"] = Field(..., description="What to train: see the table of train types.")
+    max_steps: int | None = Field(None, ge=1, description="Optimizer steps to run (exclusive with `epochs`).")
+    epochs: float | None = Field(None, gt=0, description="Passes over the data; converted to steps from the data size.")
+    micro_batch_size: int = Field(1, ge=1, description="Samples per rank per forward/backward.")
+    grad_accum_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate as a fraction of `lr`.")
+    lr_schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
+    warmup_steps: int | None = Field(None, ge=0, description="Linear warmup steps (exclusive with `warmup_ratio`).")
+    warmup_ratio: float | None = Field(None, ge=0, le=1, description="Warmup as a fraction of the total steps.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (not applied to biases and norms).")
+    adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this (null: no clipping).")
+    seed: int = Field(42, description="Seed for model init, data order and sampling.")
+    log_every_steps: int = Field(1, ge=1, description="Write a metrics record every N optimizer steps.")
+
+    @model_validator(mode="after")
+    def _length(self) -> "TrainConfig":
+        if (self.max_steps is None) == (self.epochs is None):
+            raise ValueError("give exactly one of `train.max_steps` or `train.epochs`")
+        if self.warmup_steps is not None and self.warmup_ratio is not None:
+            raise ValueError("give at most one of `train.warmup_steps` or `train.warmup_ratio`")
+        return self
+
+
+class DeepSpeedSection(Section):
+    config: str | None = Field(None, description="Template JSON (e.g. `ds_configs/zero3.json`), relative to the repo or the job file.")
+    zero_stage: Literal[0, 1, 2, 3] | None = Field(None, description="ZeRO stage; overrides the template's.")
+    offload_optimizer: Literal["none", "cpu", "nvme"] | None = Field(None, description="Optimizer state offload; overrides the template.")
+    offload_param: Literal["none", "cpu", "nvme"] | None = Field(None, description="Parameter offload (ZeRO-3); overrides the template.")
+    optimizer: Literal["auto", "torch", "fused", "cpu_adam"] = Field(
+        "auto", description="AdamW implementation: `auto` = fused on CUDA, torch on CPU, DeepSpeedCPUAdam with optimizer offload."
+    )
+    overrides: dict[str, Any] = Field(default_factory=dict, description="Raw DeepSpeed config keys merged last (deep merge).")
+
+
+class CheckpointConfig(Section):
+    every_steps: int | None = Field(None, ge=1, description="Publish a checkpoint every N optimizer steps (always at the end of a run).")
+    keep_last: int | None = Field(None, ge=1, description="Keep the newest K checkpoints; older ones are removed only after a newer one is published.")
+    resume: str = Field("auto", description="`auto`: newest valid checkpoint in output_dir; `never`: start fresh; or a checkpoint path.")
+    verify_on_load: bool = Field(False, description="Re-hash every file against the manifest before resuming.")
+    hash: Literal["sha256", "blake2b", "xxh3_128"] = Field("sha256", description="File digest recorded in the manifest.")
+    save_timeout_s: float = Field(600.0, gt=0, description="A save that cannot finish on every rank within this fails with the stalled phase named.")
+
+
+class RuntimeConfig(Section):
+    environment: dict[str, Any] = Field(default_factory=dict, description="Variables exported to every rank of this job (values rendered with str(); null = empty).")
+    dist_timeout_s: float = Field(1800.0, gt=0, description="Timeout of every collective of the job's process groups.")
+    log_level: str = Field("INFO", description="Trainer log level (env ASTR_LOG_LEVEL overrides).")
+    progress_bar: bool = Field(True, description="tqdm bar on rank 0.")
+    tensorboard: bool = Field(True, description="Write TensorBoard events when `tensorboard` is installed.")
+
+
+class InfraConfig(Section):
+    """Host-side settings read by the wrappers; the trainer ignores them."""
+
+    model_config = ConfigDict(extra="allow")
+    job_name: str | None = Field(None, description="Name of the job (containers, logs).")
+
+
+class ExportConfig(Section):
+    hf_dir: str | None = Field(None, description="Folder for a Hugging Face export of the final policy.")
+    dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Dtype of the exported weights.")
+    on_finish: bool = Field(False, description="Export when the run ends.")
+
+
+class JobConfig(Section):
+    output_dir: str = Field(..., description="Everything the run writes: checkpoints, metrics.jsonl, job.yaml, tokenizer, caches.")
+    model: ModelConfig
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    data: DataConfig
+    train: TrainConfig
+    deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    infra: InfraConfig = Field(default_factory=InfraConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+
+    @model_validator(mode="after")
+    def _tokenizer_source(self) -> "JobConfig":
+        if self.tokenizer.path is None and self.tokenizer.build is None and self.model.path is None:
+            raise ValueError("a model built from `model.init` needs `tokenizer.path` or `tokenizer.build`")
+        return self

@@ -1,0 +1,292 @@
+"""The only module that knows DeepSpeed: distributed init, the DeepSpeed config, and engines.
+
+Everything else gets an `Engine`: forward, backward, step, module, save, load. A job may hold
+several engines (the PPO policy and critic), each built by `make_engine` with its own optimizer,
+LR schedule and clipping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import math
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("astrai.engine")
+
+DS_TAG = "state"  # DeepSpeed tag folder inside each engine's checkpoint part
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def setup_distributed(timeout_s: float) -> DistInfo:
+    """Join (or, without a launcher, create) the job's process group: nccl on GPUs, gloo on CPUs."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if "RANK" not in os.environ:  # `python astrai/train.py` without the launcher: one rank
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    on_gpu = torch.cuda.is_available()
+    backend = "nccl" if on_gpu else "gloo"
+    if on_gpu:
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timedelta(seconds=timeout_s), verbose=False)
+    device = torch.device(get_accelerator().device_name(local_rank)) if on_gpu else torch.device("cpu")
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def all_reduce_sum(value: float | int, device: torch.device) -> float:
+    """Sum a Python number over all ranks (identity on one process)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return float(value)
+    tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return float(tensor.item())
+
+
+def all_gather_objects(value: Any) -> list[Any]:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def deep_merge(base: dict, extra: dict) -> dict:
+    merged = copy.deepcopy(base)
+    for key, value in extra.items():
+        merged[key] = deep_merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+    return merged
+
+
+def resolve_precision(dtype: str) -> str:
+    """`auto` is bf16 on a GPU that supports it, fp32 elsewhere (CPU fp16 and bf16 are slow or absent)."""
+    if dtype != "auto":
+        return dtype
+    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
+
+
+def build_ds_config(
+    section,
+    *,
+    template_path: Path | None,
+    micro_batch_size: int,
+    grad_accum_steps: int,
+    max_grad_norm: float | None,
+    precision: str,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    zero_stage: int | None = None,
+) -> dict:
+    """Template (if any) <- job settings <- `deepspeed.overrides`. The result is what DeepSpeed sees."""
+    config: dict = json.loads(template_path.read_text()) if template_path else {}
+    zero = config.setdefault("zero_optimization", {})
+    stage = zero_stage if zero_stage is not None else section.zero_stage
+    if stage is not None:
+        zero["stage"] = stage
+    zero.setdefault("stage", 0)
+    for key, value in (("offload_optimizer", section.offload_optimizer), ("offload_param", section.offload_param)):
+        if value is not None:
+            zero[key] = {"device": value} if value != "none" else {"device": "none"}
+    config.update(
+        train_micro_batch_size_per_gpu=micro_batch_size,
+        gradient_accumulation_steps=grad_accum_steps,
+        gradient_clipping=max_grad_norm or 0.0,
+        steps_per_print=10**9,
+        wall_clock_breakdown=False,
+    )
+    config.pop("train_batch_size", None)  # derived by DeepSpeed from micro x accumulation x world
+    config["bf16"] = {"enabled": precision == "bf16"}
+    config["fp16"] = {"enabled": precision == "fp16", "loss_scale": 0} if precision == "fp16" else {"enabled": False}
+    offloaded = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
+    implementation = section.optimizer
+    if implementation == "auto":
+        implementation = "cpu_adam" if offloaded else ("fused" if torch.cuda.is_available() else "torch")
+    params: dict[str, Any] = {"lr": lr, "betas": list(betas), "eps": eps, "weight_decay": 0.0}
+    if implementation == "torch":
+        params["torch_adam"] = True  # fused Adam is CUDA-only
+    elif implementation == "cpu_adam" and not offloaded:
+        raise ValueError("deepspeed.optimizer: cpu_adam needs deepspeed.offload_optimizer: cpu")
+    config["optimizer"] = {"type": "AdamW", "params": params}
+    return deep_merge(config, section.overrides)
+
+
+def lr_lambda(total_steps: int, warmup_steps: int, schedule: str, min_lr_ratio: float) -> Callable[[int], float]:
+    """Multiplier of the peak LR for the update that follows `completed` optimizer steps.
+
+    Update u = completed + 1 uses u / warmup during warmup (the first update is not wasted at lr 0),
+    then decays to `min_lr_ratio` at the last step.
+    """
+
+    def multiplier(completed: int) -> float:
+        update = completed + 1
+        if update <= warmup_steps:
+            return update / warmup_steps
+        if schedule == "constant" or total_steps <= warmup_steps:
+            return 1.0
+        progress = min(1.0, (update - warmup_steps) / max(1, total_steps - warmup_steps))
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+        return min_lr_ratio + (1.0 - min_lr_ratio) * shape
+
+    return multiplier
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only: biases and norm weights (1-D) keep their scale."""
+    decay, no_decay = [], []
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            (decay if parameter.ndim >= 2 else no_decay).append(parameter)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class Engine:
+    """A trainable model in its own DeepSpeed engine; the interface strategies use."""
+
+    def __init__(self, ds_engine, ds_config: dict):
+        self._engine = ds_engine
+        self.ds_config = ds_config
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self._engine.module
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.ds_config["zero_optimization"]["stage"])
+
+    @property
+    def device(self) -> torch.device:
+        return self._engine.device
+
+    def __call__(self, *args, **kwargs):
+        return self._engine(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._engine.backward(loss)
+
+    def step(self) -> None:
+        """Call after every micro-batch; DeepSpeed updates on the accumulation boundary."""
+        self._engine.step()
+
+    def train(self) -> None:
+        self._engine.train()
+
+    def eval(self) -> None:
+        self._engine.eval()
+
+    @property
+    def lr(self) -> float:
+        return float(self._engine.get_lr()[0])
+
+    @property
+    def global_steps(self) -> int:
+        return int(self._engine.global_steps)
+
+    @property
+    def grad_norm(self) -> float | None:
+        norm = self._engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def save(self, folder: Path) -> None:
+        """DeepSpeed's own files (every rank's shards) under `folder`; no `latest` file (the publisher
+        decides what is published)."""
+        self._engine.save_checkpoint(str(folder), tag=DS_TAG, save_latest=False)
+
+    def load(self, folder: Path, *, with_optimizer: bool = True) -> None:
+        tag = DS_TAG if (Path(folder) / DS_TAG).is_dir() else None  # None: a plain DeepSpeed dir with `latest`
+        path, _ = self._engine.load_checkpoint(
+            str(folder), tag=tag, load_optimizer_states=with_optimizer, load_lr_scheduler_states=with_optimizer
+        )
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint found in {folder}")
+
+    @contextlib.contextmanager
+    def gathered_parameters(self):
+        """Full parameters on every rank for the block (ZeRO-3 gathers once; other stages hold them already)."""
+        if self.zero_stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None):
+                yield
+        else:
+            yield
+
+
+def make_engine(model: torch.nn.Module, ds_config: dict, *, weight_decay: float, schedule: Callable[[int], float]) -> Engine:
+    """Wrap one model in its own engine, optimizer (from `ds_config`) and LR schedule."""
+    import deepspeed
+
+    ds_engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=parameter_groups(model, weight_decay),
+        config=ds_config,
+        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
+        dist_init_required=False,
+    )
+    return Engine(ds_engine, ds_config)
+
+
+@contextlib.contextmanager
+def zero3_loading(ds_config: dict, enabled: bool):
+    """While active, `from_pretrained` loads weights already partitioned across ranks (ZeRO-3)."""
+    if not enabled or ds_config["zero_optimization"]["stage"] != 3:
+        yield
+        return
+    from transformers.integrations import HfDeepSpeedConfig
+
+    config = copy.deepcopy(ds_config)
+    config["train_batch_size"] = config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * max(
+        1, dist.get_world_size() if dist.is_initialized() else 1
+    )
+    keep_alive = HfDeepSpeedConfig(config)  # transformers reads it through a weak reference
+    try:
+        yield
+    finally:
+        del keep_alive
+
+
+def set_log_format(rank: int, level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    # DeepSpeed's own logger is chatty at INFO on every rank.
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)

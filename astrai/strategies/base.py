@@ -1,0 +1,42 @@
+"""A train type is a small strategy class registered by name; the loops call it, never the reverse."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+
+@dataclass
+class StepOutput:
+    """What one micro-batch contributes: the loss to backpropagate and detached metric sums."""
+
+    loss: torch.Tensor
+    sums: dict[str, float] = field(default_factory=dict)  # summed over micro-batches and ranks, then divided by `sums["weight"]`
+
+
+class Strategy:
+    name: ClassVar[str]
+    loop: ClassVar[str]  # "offline" or "online"
+    required_parts: ClassVar[tuple[str, ...]] = ("policy",)
+
+    def __init__(self, job, tokenizer):
+        self.job = job
+        self.tokenizer = tokenizer
+
+
+REGISTRY: dict[str, type[Strategy]] = {}
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def strategy_class(train_type: str) -> type[Strategy]:
+    import astrai.strategies  # noqa: F401  (registers every built-in train type)
+
+    if train_type not in REGISTRY:
+        raise KeyError(f"train.train_type: {train_type!r} is not available in this version (available: {', '.join(sorted(REGISTRY))})")
+    return REGISTRY[train_type]

@@ -1,0 +1,73 @@
+"""`seq` (pre-training on packed text) and `sft` (chat fine-tuning, prompt tokens masked).
+
+Both minimise next-token cross-entropy over the tokens their loss mask keeps; they differ only in
+how rows become tokens.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import datasets
+
+from astrai.algos.cross_entropy import next_token_cross_entropy_sum
+from astrai.data import tokenize_rows
+from astrai.data.collate import collate_token_rows
+from astrai.data.render import is_text_row, pack_batch, sft_batch
+from astrai.data.sources import Rows
+from astrai.strategies.base import StepOutput, Strategy, register
+
+
+class LanguageModelingStrategy(Strategy):
+    loop = "offline"
+
+    def collate(self, rows: list[dict]) -> dict:
+        return collate_token_rows(rows, self.tokenizer.pad_token_id)
+
+    def loss_tokens(self, batch: dict) -> int:
+        return int(batch["loss_mask"][:, 1:].sum())
+
+    def compute_loss(self, policy, batch: dict, token_normalizer: float) -> StepOutput:
+        """Loss = sum of token losses / (global loss tokens of the step / (ranks x accumulation)).
+
+        DeepSpeed then divides by the accumulation steps and averages over ranks, so the update is
+        exactly the token-mean over the whole optimizer step.
+        """
+        logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        loss_sum, count = next_token_cross_entropy_sum(logits, batch["input_ids"], batch["loss_mask"])
+        return StepOutput(loss_sum / token_normalizer, {"loss": float(loss_sum.detach()), "weight": float(count)})
+
+
+@register
+class SeqStrategy(LanguageModelingStrategy):
+    """Pre-training: text packed into blocks of `data.max_seq_len` tokens, every token trained."""
+
+    name = "seq"
+
+    def prepare_data(self, rows: Rows) -> tuple[datasets.Dataset, int]:
+        field, skipped = self.job.data.text_field, 0
+        if self.job.data.on_bad_row == "skip":
+            before = len(rows.dataset)
+            rows.dataset = rows.dataset.filter(lambda row: is_text_row(row, field))
+            skipped = before - len(rows.dataset)
+        function = partial(pack_batch, tokenizer=self.tokenizer, field=field, block_len=self.job.data.max_seq_len)
+        return tokenize_rows(rows, function, num_proc=self.job.data.num_proc, description="packing"), skipped
+
+
+@register
+class SftStrategy(LanguageModelingStrategy):
+    """Supervised fine-tuning on chats; only assistant tokens are trained."""
+
+    name = "sft"
+
+    def prepare_data(self, rows: Rows) -> tuple[datasets.Dataset, int]:
+        function = partial(
+            sft_batch,
+            tokenizer=self.tokenizer,
+            fields=self.job.data,
+            max_len=self.job.data.max_seq_len,
+            skip_bad=self.job.data.on_bad_row == "skip",
+        )
+        dataset = tokenize_rows(rows, function, num_proc=self.job.data.num_proc, description="rendering chats")
+        skipped = sum(dataset["bad"])
+        return dataset.filter(lambda row: not row["bad"]).remove_columns("bad"), skipped

@@ -1,0 +1,94 @@
+"""Entry point: `deepspeed astrai/train.py --config configs/<job>.yaml [--set key.path=value ...]`.
+
+Without the launcher (`python astrai/train.py --config ...`) it runs as a single rank.
+Exit codes: 0 done, 1 the run failed (data, model, checkpoint), 2 the job file is wrong.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if __package__ in (None, ""):
+    # Run as a script, Python puts astrai/ itself first on sys.path, where our `config`, `data`, ...
+    # would shadow any top-level module of the same name; put the repository root there instead.
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+    sys.path.insert(0, os.path.dirname(_here))
+
+import argparse
+import logging
+from pathlib import Path
+
+logger = logging.getLogger("astrai")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="astrai/train.py", description="Train a model from one job YAML.")
+    parser.add_argument("--config", required=True, help="job YAML (see docs/guides/config.md)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a key (value parsed as YAML); repeatable")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
+    return parser.parse_args(argv)
+
+
+def load_and_check(config_path: str, overrides: list[str]):
+    """Everything that can be wrong with the job file, found before any rank does work."""
+    from astrai.config import ConfigError, load_job
+    from astrai.strategies import strategy_class
+
+    job = load_job(config_path, overrides)
+    try:
+        strategy_class(job.train.train_type)
+    except KeyError as error:
+        raise ConfigError(f"{config_path}: {error.args[0]}") from None
+    return job
+
+
+def apply_environment(environment: dict) -> None:
+    """`runtime.environment`: exported to this job's ranks; values rendered with str(), null as ''."""
+    for key, value in environment.items():
+        os.environ[str(key)] = "" if value is None else str(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from astrai.config import ConfigError
+
+    try:
+        job = load_and_check(args.config, args.set)
+    except ConfigError as error:
+        print(f"astrai: {error}", file=sys.stderr)
+        return 2
+    apply_environment(job.runtime.environment)
+
+    from astrai.build import build_run
+    from astrai.checkpoint import CheckpointError
+    from astrai.config import dump_job
+    from astrai.data.sources import DataError
+    from astrai.engine import set_log_format, setup_distributed, shutdown_distributed
+    from astrai.models.policy import ModelError
+    from astrai.models.tokenizer import TokenizerError
+    from astrai.trainer import TRAIN_LOOPS
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub at run time: fail fast, never hang on a download
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    dist = setup_distributed(job.runtime.dist_timeout_s)
+    set_log_format(dist.rank, os.environ.get("ASTR_LOG_LEVEL") or job.runtime.log_level)
+    try:
+        output_dir = Path(job.output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        if dist.is_main:
+            (output_dir / "job.yaml").write_text(dump_job(job))
+        run = build_run(job, dist, args.config)
+        state = TRAIN_LOOPS[run.strategy.loop](run)
+        logger.info("done: %d steps, outputs in %s", state.step, output_dir)
+        return 0
+    except (DataError, ModelError, TokenizerError, CheckpointError) as error:
+        logger.error("%s", error, exc_info=bool(os.environ.get("ASTR_DEBUG")))
+        return 1
+    finally:
+        shutdown_distributed()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
