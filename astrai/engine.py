@@ -287,6 +287,10 @@ def zero3_loading(ds_config: dict, enabled: bool):
 
 
 def set_log_format(rank: int, level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    """Every line says its rank; ranks other than 0 log warnings and errors only, unless DEBUG."""
+    chosen = getattr(logging, level.upper(), logging.INFO)
+    if rank != 0 and chosen > logging.DEBUG:
+        chosen = max(chosen, logging.WARNING)
+    logging.basicConfig(level=chosen, format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     # DeepSpeed's own logger is chatty at INFO on every rank.
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)

@@ -1,0 +1,47 @@
+"""`python -m astrai <tool>`: the one home of AstrAI's command-line tools.
+
+  verify <checkpoint>            re-hash a checkpoint against its manifest
+  plot <output_dir> [-o png]     draw every metric of metrics.jsonl against the step
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _plot(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m astrai plot", description="Plot every numeric metric against the step.")
+    parser.add_argument("output_dir", help="a run's output_dir (or a metrics.jsonl file)")
+    parser.add_argument("-o", "--output", default=None, help="PNG path (default: <output_dir>/curves.png)")
+    args = parser.parse_args(argv)
+    from astrai.plot import plot_metrics
+
+    try:
+        path = plot_metrics(args.output_dir, args.output)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"astrai plot: {error}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+def _verify(argv: list[str]) -> int:
+    from astrai.checkpoint.cli import verify_main
+
+    return verify_main(argv)
+
+
+TOOLS = {"plot": _plot, "verify": _verify}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in TOOLS:
+        print(__doc__.strip(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return TOOLS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Job config: YAML 1.2 scalars, overrides, and errors that name file, key and line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from astrai.config import ConfigError, load_job, parse_yaml
+from astrai.config.loader import apply_override
+from tests.conftest import REPO, child_env
+
+VALID = """\
+output_dir: {out}
+model:
+  init: {{model_type: llama, hidden_size: 16, intermediate_size: 32, num_hidden_layers: 1, num_attention_heads: 2}}
+tokenizer:
+  build: {{kind: char}}
+data:
+  path: {data}
+train:
+  train_type: sft
+  max_steps: 3
+  lr: 2e-5
+"""
+
+
+def write_job(tmp_path, body: str = VALID, **fields) -> str:
+    path = tmp_path / "job.yaml"
+    values = {"out": str(tmp_path / "out"), "data": str(REPO / "data/arithmetic/sft.jsonl"), **fields}
+    path.write_text(body.format(**values))
+    return str(path)
+
+
+def test_yaml12_floats_are_floats_not_strings():
+    parsed = parse_yaml("a: 2e-5\nb: 1E3\nc: .5\nd: -1.5e+2\ne: 7\nf: on\ng: true")
+    assert parsed == {"a": 2e-5, "b": 1000.0, "c": 0.5, "d": -150.0, "e": 7, "f": "on", "g": True}
+    assert isinstance(parsed["a"], float) and isinstance(parsed["b"], float) and isinstance(parsed["e"], int)
+
+
+def test_valid_job_loads_with_float_lr(tmp_path):
+    job = load_job(write_job(tmp_path))
+    assert job.train.lr == 2e-5 and isinstance(job.train.lr, float)
+    assert job.train.micro_batch_size == 1 and job.checkpoint.resume == "auto"
+
+
+def test_unknown_key_names_file_key_and_line(tmp_path):
+    path = write_job(tmp_path, VALID + "  warmup_stpes: 10\n")
+    with pytest.raises(ConfigError) as error:
+        load_job(path)
+    message = str(error.value)
+    assert f"{path}:12: train.warmup_stpes: unknown key" in message
+
+
+def test_wrong_type_names_the_key_and_line(tmp_path):
+    path = write_job(tmp_path, VALID.replace("max_steps: 3", "max_steps: many"))
+    with pytest.raises(ConfigError) as error:
+        load_job(path)
+    assert f"{path}:10: train.max_steps:" in str(error.value)
+    assert "integer" in str(error.value)
+
+
+def test_missing_required_key(tmp_path):
+    path = write_job(tmp_path, VALID.replace("  train_type: sft\n", ""))
+    with pytest.raises(ConfigError, match=r"train\.train_type: required key is missing"):
+        load_job(path)
+
+
+def test_missing_data_file_is_named(tmp_path):
+    path = write_job(tmp_path, data=str(tmp_path / "nowhere.jsonl"))
+    with pytest.raises(ConfigError, match=r"data\.path: no file matches .*nowhere\.jsonl"):
+        load_job(path)
+
+
+def test_missing_job_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_job("/no/such/job.yaml")
+
+
+def test_hub_name_model_path_is_refused_with_hint(tmp_path):
+    body = VALID.replace("  init: {{model_type: llama, hidden_size: 16, intermediate_size: 32, num_hidden_layers: 1, num_attention_heads: 2}}", "  path: meta-llama/Llama-3-8B")
+    with pytest.raises(ConfigError, match=r"model\.path: .*hub names cannot be downloaded"):
+        load_job(write_job(tmp_path, body))
+
+
+def test_set_overrides_parse_values_as_yaml(tmp_path):
+    job = load_job(write_job(tmp_path), ["train.lr=1E-3", "train.max_steps=9", "deepspeed.zero_stage=3", "runtime.environment.FOO=bar"])
+    assert job.train.lr == 1e-3 and job.train.max_steps == 9 and job.deepspeed.zero_stage == 3
+    assert job.runtime.environment == {"FOO": "bar"}
+
+
+def test_bad_override_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"--set train\.max_stepz=3: train\.max_stepz: unknown key"):
+        load_job(write_job(tmp_path), ["train.max_stepz=3"])
+    with pytest.raises(ConfigError, match="expected key.path=value"):
+        load_job(write_job(tmp_path), ["train.max_steps"])
+    raw = {"train": {"lr": 1}}
+    with pytest.raises(ConfigError, match="not a mapping"):
+        apply_override(raw, "train.lr.x=1")
+
+
+def test_exclusive_choices(tmp_path):
+    with pytest.raises(ConfigError, match="exactly one of `train.max_steps` or `train.epochs`"):
+        load_job(write_job(tmp_path, VALID + "  epochs: 1\n"))
+
+
+def test_cli_reports_one_clear_message_without_traceback(tmp_path):
+    path = write_job(tmp_path, VALID + "  bogus: 1\n")
+    result = subprocess.run([sys.executable, str(REPO / "astrai/train.py"), "--config", path], capture_output=True, text=True, env=child_env(), timeout=120)
+    assert result.returncode == 2
+    assert "train.bogus: unknown key" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()  # nothing was started
+
+
+def test_every_shipped_config_validates(repo):
+    for path in sorted((repo / "configs").glob("*.yaml")):
+        load_job(path, check_paths=False)
+
+
+def test_train_type_registry_names_what_is_available():
+    from astrai.strategies import strategy_class
+
+    assert strategy_class("sft").name == "sft" and strategy_class("seq").loop == "offline"
+    with pytest.raises(KeyError, match=r"'bogus' is not available in this version \(available: .*seq.*sft"):
+        strategy_class("bogus")
