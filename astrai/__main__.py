@@ -2,6 +2,7 @@
 
   verify <checkpoint>            re-hash a checkpoint against its manifest
   plot <output_dir> [-o png]     draw every metric of metrics.jsonl against the step
+  config-docs                    print the job config reference (docs/guides/config.md)
 """
 
 from __future__ import annotations
@@ -32,7 +33,14 @@ def _verify(argv: list[str]) -> int:
     return verify_main(argv)
 
 
-TOOLS = {"plot": _plot, "verify": _verify}
+def _config_docs(argv: list[str]) -> int:
+    from astrai.config.reference import render_reference
+
+    sys.stdout.write(render_reference())
+    return 0
+
+
+TOOLS = {"plot": _plot, "verify": _verify, "config-docs": _config_docs}
 
 
 def main(argv: list[str] | None = None) -> int:

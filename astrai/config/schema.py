@@ -142,15 +142,15 @@ class ExportConfig(Section):
 
 class JobConfig(Section):
     output_dir: str = Field(..., description="Everything the run writes: checkpoints, metrics.jsonl, job.yaml, tokenizer, caches.")
-    model: ModelConfig
-    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
-    data: DataConfig
-    train: TrainConfig
-    deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
-    infra: InfraConfig = Field(default_factory=InfraConfig)
-    export: ExportConfig = Field(default_factory=ExportConfig)
+    model: ModelConfig = Field(..., description="The policy: a local transformers causal LM or an architecture block.")
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="Where the tokenizer comes from.")
+    data: DataConfig = Field(..., description="Training data (local files through `datasets`) and how rows become tokens.")
+    train: TrainConfig = Field(..., description="The train type and its optimisation hyperparameters.")
+    deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection, description="DeepSpeed: a template from `ds_configs/` plus job overrides.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Crash-safe checkpoints: cadence, retention, resume, verification.")
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="Per-job process settings: environment, timeouts, logging.")
+    infra: InfraConfig = Field(default_factory=InfraConfig, description="Host side (containers, GPUs, nodes), read by the wrappers; the trainer ignores it. Extra keys allowed.")
+    export: ExportConfig = Field(default_factory=ExportConfig, description="Hugging Face export of the final policy.")
 
     @model_validator(mode="after")
     def _tokenizer_source(self) -> "JobConfig":

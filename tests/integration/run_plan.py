@@ -1,0 +1,57 @@
+"""Run several training jobs inside ONE launch of ranks (imports and process start cost 10-20 s
+per launch, so integration tests batch their runs here).
+
+    deepspeed --num_gpus 2 tests/integration/run_plan.py --plan plan.json
+
+plan.json: {"results": "<path>", "runs": [{"name": ..., "config": ..., "set": [...], "expect_error": "substring"?}]}
+Rank 0 writes `results`: {name: {"ok": bool, "error": str | None, "step": int}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--plan", required=True)
+    parser.add_argument("--local_rank", type=int, default=None)
+    args = parser.parse_args()
+    plan = json.loads(open(args.plan).read())
+
+    from astrai.build import build_run
+    from astrai.engine import set_log_format, setup_distributed, shutdown_distributed
+    from astrai.trainer import TRAIN_LOOPS
+    from astrai.train import load_and_check
+
+    dist = setup_distributed(120)
+    set_log_format(dist.rank, "WARNING")
+    results = {}
+    for entry in plan["runs"]:
+        job = load_and_check(entry["config"], entry.get("set", []))
+        try:
+            run = build_run(job, dist, entry["config"])
+            state = TRAIN_LOOPS[run.strategy.loop](run)
+            results[entry["name"]] = {"ok": True, "error": None, "step": state.step}
+        except Exception as error:  # recorded for the test to judge; an unexpected one fails it there
+            results[entry["name"]] = {"ok": False, "error": f"{type(error).__name__}: {error}", "step": None}
+            if "expect_error" not in entry:
+                traceback.print_exc()
+        run = None
+        gc.collect()
+    if dist.is_main:
+        with open(plan["results"], "w") as handle:
+            json.dump(results, handle, indent=1)
+    shutdown_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
