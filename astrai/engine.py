@@ -253,6 +253,16 @@ class Engine:
             yield
 
 
+def consolidated_state_dict(engine_folder: str | Path) -> dict[str, torch.Tensor]:
+    """Full fp32 weights from an engine's checkpoint folder written under any ZeRO stage and any
+    number of ranks, on one CPU process (DeepSpeed's own zero_to_fp32 logic; no ranks needed)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    folder = Path(engine_folder)
+    tag = DS_TAG if (folder / DS_TAG).is_dir() else None
+    return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag)
+
+
 def make_engine(model: torch.nn.Module, ds_config: dict, *, weight_decay: float, schedule: Callable[[int], float]) -> Engine:
     """Wrap one model in its own engine, optimizer (from `ds_config`) and LR schedule."""
     import deepspeed
