@@ -16,8 +16,6 @@ Whitening the advantages (`masked.masked_whiten`) is left to the caller.
 
 import torch
 
-from astrai.algos.masked import _valid
-
 
 def grpo_advantages(
     rewards: torch.Tensor, group_size: int, *, normalize_std: bool = True, eps: float = 1e-6
@@ -62,7 +60,7 @@ def gae(
             f"rewards, values, mask must share one [batch, response_len] shape, got "
             f"{tuple(rewards.shape)}, {tuple(values.shape)}, {tuple(mask.shape)}"
         )
-    valid = _valid(mask)
+    valid = mask.bool()
     # Padding holds junk (or NaN); zeroing it makes V_{t+1} = 0 and r_t = 0 past the end, so the
     # recursion needs no per-row lengths.
     rewards = torch.where(valid, rewards.detach(), torch.zeros((), dtype=rewards.dtype, device=rewards.device))
@@ -98,7 +96,7 @@ def kl_shaped_rewards(
             f"expected sequence_rewards [batch] and kl, mask [batch, response_len], got "
             f"{tuple(sequence_rewards.shape)}, {tuple(kl.shape)}, {tuple(mask.shape)}"
         )
-    valid = _valid(mask)
+    valid = mask.bool()
     next_valid = torch.cat([valid[:, 1:], torch.zeros_like(valid[:, :1])], dim=1)
     is_last = valid & ~next_valid
     zero = torch.zeros((), dtype=kl.dtype, device=kl.device)

@@ -5,6 +5,8 @@ log p(y_t | y_<t) = logits_t[y_t] - logsumexp_v logits_t[v]
 Memory: `log_softmax(logits)` would materialise a second [batch, seq_len, vocab] tensor (and a
 float32 copy of a bfloat16 one is twice the size again). We subtract the logsumexp instead and
 go one sequence at a time, so the extra memory peaks at one [seq_len, vocab] float32 block.
+That bound holds under `torch.no_grad()` (reference and rollout log-probs); with autograd on, each
+row's float32 copy of half-precision logits is kept for the backward pass, as in any fp32 upcast.
 Results are float32 whatever the logits' dtype: bfloat16 has ~3 significant digits, too few for
 the log-ratios PPO and DPO take of these numbers.
 

@@ -1,0 +1,125 @@
+"""GRPO advantages, GAE, KL-shaped rewards and KL controllers: by hand and against plain loops."""
+
+import random
+
+import pytest
+import torch
+
+from astrai.algos.advantages import AdaptiveKLController, FixedKLController, gae, grpo_advantages, kl_shaped_rewards
+
+
+def test_grpo_advantages_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0])
+    # group 1: mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = 0.57735027 -> +-0.5 / 0.57735027 = +-0.8660254
+    # group 2: all equal -> 0 (std 0, divided by eps only)
+    advantages = grpo_advantages(rewards, group_size=4)
+    assert advantages.tolist() == pytest.approx([0.8660254, -0.8660254, -0.8660254, 0.8660254, 0, 0, 0, 0], abs=1e-5)
+    no_std = grpo_advantages(rewards, group_size=4, normalize_std=False)
+    assert no_std.tolist() == [0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 0.0, 0.0]
+
+
+def test_grpo_advantages_reject_bad_groups():
+    with pytest.raises(ValueError, match="do not split"):
+        grpo_advantages(torch.zeros(6), group_size=4)
+    with pytest.raises(ValueError, match="group_size must be >= 2"):
+        grpo_advantages(torch.zeros(6), group_size=1)
+    with pytest.raises(ValueError, match="must be 1-D"):
+        grpo_advantages(torch.zeros(2, 4), group_size=4)
+
+
+def test_gae_with_gamma_and_lambda_one_gives_reward_to_go():
+    rewards = torch.tensor([[1.0, 2.0, 3.0]])
+    values = torch.tensor([[0.5, 0.5, 0.5]])
+    advantages, returns = gae(rewards, values, torch.ones(1, 3), gamma=1.0, lam=1.0)
+    assert returns.tolist() == [[6.0, 5.0, 3.0]]  # 1+2+3, 2+3, 3
+    assert advantages.tolist() == [[5.5, 4.5, 2.5]]  # returns - values
+
+
+def test_gae_by_hand_with_padding():
+    # gamma = lam = 0.5, two valid tokens, junk in the padded third
+    rewards = torch.tensor([[1.0, 2.0, 100.0]])
+    values = torch.tensor([[1.0, 1.0, float("nan")]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    advantages, returns = gae(rewards, values, mask, gamma=0.5, lam=0.5)
+    # t=1: delta = 2 + 0.5 * 0 - 1 = 1                  A = 1
+    # t=0: delta = 1 + 0.5 * 1 - 1 = 0.5                A = 0.5 + 0.25 * 1 = 0.75
+    assert advantages.tolist() == [[0.75, 1.0, 0.0]]
+    assert returns.tolist() == [[1.75, 2.0, 0.0]]
+
+
+def loop_gae(rewards, values, lengths, gamma, lam):
+    """Textbook GAE, one sequence and one step at a time, in Python floats."""
+    all_advantages, all_returns = [], []
+    for row_rewards, row_values, length in zip(rewards, values, lengths):
+        advantages = [0.0] * len(row_rewards)
+        for t in range(length):
+            total = 0.0
+            for k in range(t, length):
+                next_value = row_values[k + 1] if k + 1 < length else 0.0
+                delta = row_rewards[k] + gamma * next_value - row_values[k]
+                total += (gamma * lam) ** (k - t) * delta
+            advantages[t] = total
+        all_advantages.append(advantages)
+        all_returns.append([a + (v if t < length else 0.0) for t, (a, v) in enumerate(zip(advantages, row_values))])
+    return all_advantages, all_returns
+
+
+def test_gae_matches_plain_loop_on_random_data():
+    rng = random.Random(0)
+    batch, response_len = 6, 9
+    lengths = [rng.randint(0, response_len) for _ in range(batch)] + [response_len]
+    rewards = [[rng.gauss(0, 1) for _ in range(response_len)] for _ in lengths]
+    values = [[rng.gauss(0, 1) for _ in range(response_len)] for _ in lengths]
+    mask = torch.tensor([[1.0 if t < length else 0.0 for t in range(response_len)] for length in lengths])
+    gamma, lam = 0.97, 0.9
+    advantages, returns = gae(
+        torch.tensor(rewards, dtype=torch.float64), torch.tensor(values, dtype=torch.float64), mask, gamma=gamma, lam=lam
+    )
+    expected_advantages, expected_returns = loop_gae(rewards, values, lengths, gamma, lam)
+    assert torch.allclose(advantages, torch.tensor(expected_advantages, dtype=torch.float64))
+    assert torch.allclose(returns, torch.tensor(expected_returns, dtype=torch.float64))
+
+
+def test_gae_returns_targets_without_gradient():
+    values = torch.randn(2, 4, requires_grad=True)
+    advantages, returns = gae(torch.randn(2, 4), values, torch.ones(2, 4), gamma=1.0, lam=0.95)
+    assert not advantages.requires_grad and not returns.requires_grad
+    with pytest.raises(ValueError, match="share one"):
+        gae(torch.randn(2, 4), values, torch.ones(2, 3), gamma=1.0, lam=0.95)
+
+
+def test_kl_shaped_rewards_by_hand():
+    sequence_rewards = torch.tensor([1.0, -2.0, 5.0])
+    kl = torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6], [0.7, 0.8, 0.9]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]])
+    rewards = kl_shaped_rewards(sequence_rewards, kl, mask, kl_coef=0.5)
+    expected = [
+        [-0.05, -0.1, -0.15 + 1.0],  # -0.5 * kl, reward on the third (last) token
+        [-0.2 - 2.0, 0.0, 0.0],  # one valid token: it is the last
+        [0.0, 0.0, 0.0],  # no valid token: no reward
+    ]
+    assert rewards.tolist() == [pytest.approx(row) for row in expected]
+
+
+def test_adaptive_kl_controller_by_hand():
+    controller = AdaptiveKLController(init_kl_coef=0.2, target=6.0, horizon=10000)
+    # error = clip(9/6 - 1 = 0.5, +-0.2) = 0.2; 0.2 * (1 + 0.2 * 256 / 10000) = 0.2 * 1.00512
+    assert controller.update(9.0, n_steps=256) == pytest.approx(0.201024)
+    # error = 5.4/6 - 1 = -0.1 (unclipped); * (1 - 0.1 * 1000 / 10000) = * 0.99
+    controller.update(torch.tensor(5.4), n_steps=1000)
+    assert controller.value == pytest.approx(0.19901376)
+    # error = 0/6 - 1 = -1 -> -0.2; * (1 - 0.2 * 10000 / 10000) = * 0.8
+    controller.update(0.0, n_steps=10000)
+    assert controller.value == pytest.approx(0.159211008)
+    restored = AdaptiveKLController(init_kl_coef=1.0, target=6.0, horizon=10000)
+    restored.load_state_dict(controller.state_dict())
+    assert restored.value == controller.value
+    with pytest.raises(ValueError, match="target and horizon must be > 0"):
+        AdaptiveKLController(init_kl_coef=0.2, target=0.0, horizon=10000)
+
+
+def test_fixed_kl_controller_never_moves():
+    controller = FixedKLController(0.05)
+    assert controller.update(123.0, n_steps=10**6) == 0.05
+    assert controller.value == 0.05
+    assert controller.state_dict() == {"value": 0.05}
