@@ -108,4 +108,6 @@ def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
         job.train.train_type, len(dataset), steps, job.train.micro_batch_size * job.train.grad_accum_steps * dist.world_size,
         policy.zero_stage, resolve_precision(job.model.dtype), sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()) / 1e6,
     )
-    return Run(job, dist, output_dir, tokenizer, strategy, dataset, order, steps, {"policy": policy}, skipped)
+    run = Run(job, dist, output_dir, tokenizer, strategy, dataset, order, steps, {"policy": policy}, skipped)
+    strategy.setup(run)
+    return run

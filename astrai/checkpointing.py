@@ -61,7 +61,7 @@ class TrainingCheckpoints:
         self.directory = run.output_dir / "checkpoints"
         config = run.job.checkpoint
         self.publisher = CheckpointPublisher(
-            self.directory, hash_name=config.hash, keep_last=config.keep_last, timeout_s=config.save_timeout_s
+            self.directory, parts=sorted(run.engines), hash_algorithm=config.hash, keep_last=config.keep_last, timeout_s=config.save_timeout_s
         )
 
     def due(self, step: int, total_steps: int) -> bool:
@@ -72,7 +72,6 @@ class TrainingCheckpoints:
         run = self.run
         state.world_size = run.dist.world_size
         state.rng = all_gather_objects(capture_rng())
-        metrics.flush()  # the metric log is durable before the checkpoint that it describes
 
         def write(staging: Path) -> None:
             for name, engine in run.engines.items():
@@ -85,10 +84,12 @@ class TrainingCheckpoints:
             "train_type": run.job.train.train_type,
             "zero_stage": {name: engine.zero_stage for name, engine in run.engines.items()},
             "precision": {name: engine.ds_config["bf16"]["enabled"] and "bf16" or "fp32" for name, engine in run.engines.items()},
+            "world_size": run.dist.world_size,
+            **run.strategy.checkpoint_meta(),
         }
-        path = self.publisher.publish(state.step, write, parts=sorted(run.engines), meta=meta)
-        logger.info("published checkpoint %s", path)
-        return path
+        # The metric log is made durable just before the rename that publishes the checkpoint it describes.
+        report = self.publisher.publish(state.step, write, meta=meta, pre_publish=metrics.flush)
+        return report.path
 
     def locate(self) -> Path | None:
         """The checkpoint this run resumes from, or None for a fresh start."""
@@ -104,9 +105,7 @@ class TrainingCheckpoints:
 
     def resume(self) -> TrainerState:
         run = self.run
-        if run.dist.is_main:
-            self.publisher.cleanup_stale()
-        barrier()
+        self.publisher.cleanup_stale()  # every rank calls; rank 0 removes leftovers of a crash
         path = self.locate()
         state = TrainerState(world_size=run.dist.world_size)
         if path is not None:

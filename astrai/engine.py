@@ -277,6 +277,43 @@ def make_engine(model: torch.nn.Module, ds_config: dict, *, weight_decay: float,
     return Engine(ds_engine, ds_config)
 
 
+class FrozenEngine:
+    """A model that is only ever evaluated (the DPO/RL reference): no optimizer, no gradients.
+    Under ZeRO-3 its parameters are partitioned like the policy's, so memory stays per-rank."""
+
+    def __init__(self, ds_engine, ds_config: dict):
+        self._engine = ds_engine
+        self.ds_config = ds_config
+        self._engine.eval()
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self._engine.module
+
+    @torch.no_grad()
+    def __call__(self, *args, **kwargs):
+        return self._engine(*args, **kwargs)
+
+
+def make_frozen_engine(model: torch.nn.Module, trainable_config: dict) -> FrozenEngine:
+    """Wrap an inference-only model with the precision and (ZeRO-3 or not) sharding of `trainable_config`."""
+    import deepspeed
+
+    stage = 3 if trainable_config["zero_optimization"]["stage"] == 3 else 0
+    config = {
+        "train_micro_batch_size_per_gpu": trainable_config["train_micro_batch_size_per_gpu"],
+        "gradient_accumulation_steps": trainable_config["gradient_accumulation_steps"],
+        "zero_optimization": {"stage": stage},
+        "bf16": trainable_config["bf16"],
+        "fp16": trainable_config["fp16"],
+        "steps_per_print": 10**9,
+    }
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    ds_engine, *_ = deepspeed.initialize(model=model, config=config, dist_init_required=False)
+    return FrozenEngine(ds_engine, config)
+
+
 @contextlib.contextmanager
 def zero3_loading(ds_config: dict, enabled: bool):
     """While active, `from_pretrained` loads weights already partitioned across ranks (ZeRO-3)."""

@@ -54,12 +54,12 @@ def train_offline(run: Run) -> TrainerState:
             micro_batches = [strategy.collate([run.dataset[i] for i in next(batches)]) for _ in range(accumulation)]
             # Every micro-batch of the step, on every rank, divides by the same count: the update is the
             # token mean over the whole step, whatever the split into micro-batches and ranks.
-            loss_tokens = all_reduce_sum(sum(strategy.loss_tokens(b) for b in micro_batches), run.dist.device)
-            token_normalizer = max(loss_tokens, 1.0) / (world * accumulation)
+            loss_weight = all_reduce_sum(sum(strategy.loss_weight(b) for b in micro_batches), run.dist.device)
+            normalizer = max(loss_weight, 1.0) / (world * accumulation)
             lr = policy.lr
             sums: dict[str, float] = defaultdict(float)
             for batch in micro_batches:
-                output = strategy.compute_loss(policy, _to_device(batch, run.dist.device), token_normalizer)
+                output = strategy.compute_loss(policy, _to_device(batch, run.dist.device), normalizer)
                 policy.backward(output.loss)
                 policy.step()
                 for key, value in output.sums.items():

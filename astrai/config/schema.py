@@ -140,6 +140,15 @@ class ExportConfig(Section):
     on_finish: bool = Field(False, description="Export when the run ends.")
 
 
+class DpoConfig(Section):
+    beta: float = Field(0.1, gt=0, description="Strength of the implicit KL to the reference (DPO's beta).")
+    loss: Literal["sigmoid", "ipo", "hinge"] = Field("sigmoid", description="`sigmoid`: DPO; `ipo`: IPO's squared loss; `hinge`: SLiC-style hinge.")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Assumed label-flip rate (conservative DPO); `sigmoid` only.")
+    precompute_reference: bool = Field(
+        False, description="Compute the reference log-probs of every pair once before training, then free the reference model."
+    )
+
+
 class JobConfig(Section):
     output_dir: str = Field(..., description="Everything the run writes: checkpoints, metrics.jsonl, job.yaml, tokenizer, caches.")
     model: ModelConfig = Field(..., description="The policy: a local transformers causal LM or an architecture block.")
@@ -151,6 +160,7 @@ class JobConfig(Section):
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="Per-job process settings: environment, timeouts, logging.")
     infra: InfraConfig = Field(default_factory=InfraConfig, description="Host side (containers, GPUs, nodes), read by the wrappers; the trainer ignores it. Extra keys allowed.")
     export: ExportConfig = Field(default_factory=ExportConfig, description="Hugging Face export of the final policy.")
+    dpo: DpoConfig = Field(default_factory=DpoConfig, description="Preference optimisation (`train_type: dpo`).")
 
     @model_validator(mode="after")
     def _tokenizer_source(self) -> "JobConfig":

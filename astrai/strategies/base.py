@@ -25,6 +25,28 @@ class Strategy:
         self.job = job
         self.tokenizer = tokenizer
 
+    # The interface the loops call, in the order they call it.
+    def prepare_data(self, rows):
+        """Raw rows -> (tokenised datasets.Dataset, number of malformed rows skipped)."""
+        raise NotImplementedError
+
+    def setup(self, run) -> None:
+        """Build what the strategy holds besides the trainable engines (e.g. a frozen reference)."""
+
+    def checkpoint_meta(self) -> dict:
+        """Facts a checkpoint of this train type records in its manifest (e.g. the reference used)."""
+        return {}
+
+    def collate(self, rows: list[dict]) -> dict:
+        raise NotImplementedError
+
+    def loss_weight(self, batch: dict) -> int:
+        """How many units (tokens, pairs) the micro-batch's loss sums over; the step divides by the global total."""
+        raise NotImplementedError
+
+    def compute_loss(self, policy, batch: dict, normalizer: float) -> StepOutput:
+        raise NotImplementedError
+
 
 REGISTRY: dict[str, type[Strategy]] = {}
 

@@ -24,10 +24,11 @@ class LanguageModelingStrategy(Strategy):
     def collate(self, rows: list[dict]) -> dict:
         return collate_token_rows(rows, self.tokenizer.pad_token_id)
 
-    def loss_tokens(self, batch: dict) -> int:
+    def loss_weight(self, batch: dict) -> int:
+        """Loss tokens of the micro-batch (the unit the step's loss is averaged over)."""
         return int(batch["loss_mask"][:, 1:].sum())
 
-    def compute_loss(self, policy, batch: dict, token_normalizer: float) -> StepOutput:
+    def compute_loss(self, policy, batch: dict, normalizer: float) -> StepOutput:
         """Loss = sum of token losses / (global loss tokens of the step / (ranks x accumulation)).
 
         DeepSpeed then divides by the accumulation steps and averages over ranks, so the update is
@@ -35,7 +36,7 @@ class LanguageModelingStrategy(Strategy):
         """
         logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         loss_sum, count = next_token_cross_entropy_sum(logits, batch["input_ids"], batch["loss_mask"])
-        return StepOutput(loss_sum / token_normalizer, {"loss": float(loss_sum.detach()), "weight": float(count)})
+        return StepOutput(loss_sum / normalizer, {"loss": float(loss_sum.detach()), "weight": float(count)})
 
 
 @register

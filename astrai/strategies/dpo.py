@@ -1,0 +1,137 @@
+"""`dpo`: preference optimisation against a frozen reference model.
+
+Each micro-batch holds B pairs; chosen and rejected run as one forward of 2B sequences. The loss is
+the mean over the optimizer step's pairs (the loop divides by the global pair count). The reference
+is either held as a frozen engine (partitioned under ZeRO-3) or, with `dpo.precompute_reference`,
+evaluated once over the whole data set before training and then freed: it never changes, so one
+pass serves every epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from functools import partial
+
+import datasets
+import torch
+
+from astrai.algos.dpo import dpo_loss
+from astrai.algos.logprobs import sequence_logprobs, shift_for_next_token, token_logprobs
+from astrai.data import tokenize_rows
+from astrai.data.collate import pad_right
+from astrai.data.render import preference_batch
+from astrai.engine import all_gather_objects, make_frozen_engine
+from astrai.models.policy import build_policy
+from astrai.strategies.base import StepOutput, Strategy, register
+
+logger = logging.getLogger("astrai.dpo")
+REFERENCE_COLUMNS = ("reference_chosen_logps", "reference_rejected_logps")
+
+
+def completion_logprobs(model, batch: dict, average: bool = False) -> torch.Tensor:
+    """Log-probs of each sequence's completion tokens, summed (or averaged, as IPO scores
+    completions): [2B] for a batch of 2B sequences."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    shifted_logits, labels, mask = shift_for_next_token(logits, batch["input_ids"], batch["loss_mask"])
+    logps = sequence_logprobs(token_logprobs(shifted_logits, labels), mask)
+    return logps / mask.sum(dim=-1).clamp(min=1) if average else logps
+
+
+@register
+class DpoStrategy(Strategy):
+    name = "dpo"
+    loop = "offline"
+
+    def prepare_data(self, rows) -> tuple[datasets.Dataset, int]:
+        function = partial(
+            preference_batch, tokenizer=self.tokenizer, fields=self.job.data, max_len=self.job.data.max_seq_len,
+            skip_bad=self.job.data.on_bad_row == "skip",
+        )
+        dataset = tokenize_rows(rows, function, num_proc=self.job.data.num_proc, description="rendering preference pairs")
+        skipped = sum(dataset["bad"])
+        return dataset.filter(lambda row: not row["bad"]).remove_columns("bad"), skipped
+
+    def setup(self, run) -> None:
+        model_config = self.job.model
+        if model_config.reference_path is not None:
+            model_config = model_config.model_copy(update={"path": model_config.reference_path, "init": None})
+        self.reference_source = model_config.path or f"model.init (seed {self.job.train.seed}): the policy's starting weights"
+        reference_model = build_policy(model_config, self.tokenizer, self.job.train.seed)
+        self.reference = make_frozen_engine(reference_model, run.engines["policy"].ds_config)
+        self.device = run.dist.device
+        if self.job.dpo.precompute_reference:
+            run.dataset = self._precompute(run)
+            self.reference = None  # freed: the log-probs now travel with the data
+
+    def _precompute(self, run) -> datasets.Dataset:
+        """Reference log-probs of every pair, computed once, rank r taking pairs r, r+W, ...
+
+        Every rank runs the same number of forwards (the last batch is padded with repeats) because
+        a ZeRO-3 forward is a collective."""
+        size, world, micro = len(run.dataset), run.dist.world_size, self.job.train.micro_batch_size
+        own = list(range(run.dist.rank, size, world))
+        rounds = math.ceil(math.ceil(size / world) / micro)
+        results: dict[int, tuple[float, float]] = {}
+        for round_index in range(rounds):
+            indices = own[round_index * micro : (round_index + 1) * micro] or own[:1]
+            batch = self._to_device(self.collate([run.dataset[i] for i in indices]))
+            logps = completion_logprobs(self.reference, batch, average=self.job.dpo.loss == "ipo")
+            pairs = len(indices)
+            for position, index in enumerate(indices):
+                results[index] = (float(logps[position]), float(logps[pairs + position]))
+        merged: dict[int, tuple[float, float]] = {}
+        for part in all_gather_objects(results):
+            merged.update(part)
+        logger.info("precomputed reference log-probs of %d pairs; the reference model is freed", len(merged))
+        dataset = run.dataset
+        for column, position in zip(REFERENCE_COLUMNS, (0, 1)):
+            dataset = dataset.add_column(column, [merged[i][position] for i in range(size)])
+        return dataset
+
+    def _to_device(self, batch: dict) -> dict:
+        return {key: value.to(self.device) for key, value in batch.items()}
+
+    def checkpoint_meta(self) -> dict:
+        return {"reference": self.reference_source}
+
+    def collate(self, rows: list[dict]) -> dict:
+        """[2B, T]: the B chosen sequences, then the B rejected ones."""
+        sequences = [row["chosen_ids"] for row in rows] + [row["rejected_ids"] for row in rows]
+        masks = [row["chosen_mask"] for row in rows] + [row["rejected_mask"] for row in rows]
+        batch = {
+            "input_ids": pad_right(sequences, self.tokenizer.pad_token_id),
+            "attention_mask": pad_right([[1] * len(sequence) for sequence in sequences], 0),
+            "loss_mask": pad_right(masks, 0),
+        }
+        if REFERENCE_COLUMNS[0] in rows[0]:
+            batch["reference_logps"] = torch.tensor([row[REFERENCE_COLUMNS[0]] for row in rows] + [row[REFERENCE_COLUMNS[1]] for row in rows])
+        return batch
+
+    def loss_weight(self, batch: dict) -> int:
+        return batch["input_ids"].shape[0] // 2
+
+    def compute_loss(self, policy, batch: dict, normalizer: float) -> StepOutput:
+        pairs = batch["input_ids"].shape[0] // 2
+        settings = self.job.dpo
+        average = settings.loss == "ipo"  # IPO's paper scores completions by their mean token log-prob
+        logps = completion_logprobs(policy, batch, average)
+        reference = batch.get("reference_logps")
+        if reference is None:
+            reference = completion_logprobs(self.reference, batch, average)
+        output = dpo_loss(
+            logps[:pairs], logps[pairs:], reference[:pairs], reference[pairs:],
+            beta=settings.beta, loss_type=settings.loss, label_smoothing=settings.label_smoothing,
+        )
+        chosen, rejected = logps[:pairs].detach(), logps[pairs:].detach()
+        sums = {
+            "loss": float(output.losses.detach().sum()),
+            "rewards_chosen": float(output.rewards_chosen.sum()),
+            "rewards_rejected": float(output.rewards_rejected.sum()),
+            "reward_margin": float((output.rewards_chosen - output.rewards_rejected).sum()),
+            "reward_accuracy": float((output.rewards_chosen > output.rewards_rejected).sum()),
+            "logps_chosen": float(chosen.sum()),
+            "logps_rejected": float(rejected.sum()),
+            "weight": float(pairs),
+        }
+        return StepOutput(output.losses.sum() / normalizer, sums)
