@@ -55,6 +55,11 @@ def restore_rng(encoded: str) -> None:
         torch.cuda.set_rng_state(snapshot["cuda"])
 
 
+def is_plain_deepspeed_dir(path: Path) -> bool:
+    """A folder written by DeepSpeed's own `save_checkpoint` (a `latest` file or tag folders of shards)."""
+    return (path / "latest").is_file() or any(path.glob("*/*model_states.pt"))
+
+
 class TrainingCheckpoints:
     def __init__(self, run):
         self.run = run
@@ -121,15 +126,16 @@ class TrainingCheckpoints:
         run = self.run
         manifest = read_manifest(path)
         required = run.strategy.required_parts
-        require_parts(path, required)
+        plain_deepspeed = manifest is None and is_plain_deepspeed_dir(path) and len(required) == 1
+        if not plain_deepspeed:
+            require_parts(path, required)  # names the missing part before any training step
         if manifest is None:
             logger.warning("%s has no manifest (a legacy or plain DeepSpeed checkpoint): loading it unverified", path)
         elif run.job.checkpoint.verify_on_load:
             report = verify_checkpoint(path)
-            logger.info("verified %s: %s", path, report)
+            logger.info("verified %s: %d files, %d bytes in %.2f s", path, report.files, report.bytes, report.seconds)
         for name in required:
-            part = path / name
-            run.engines[name].load(part if part.is_dir() else path)
+            run.engines[name].load(path if plain_deepspeed else path / name)
         state_file = path / STATE_FILE
         if state_file.is_file():
             state = TrainerState(**json.loads(state_file.read_text()))

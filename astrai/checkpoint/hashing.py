@@ -1,0 +1,82 @@
+"""File digests for manifests: sha256 (default), blake2b, xxh3_128 (needs the `xxhash` package).
+
+Files are read in 8 MiB chunks into one reused buffer; hashlib (and xxhash) release the GIL
+while hashing large buffers, so a thread pool scales over files on one rank without processes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import fs
+from .errors import CheckpointError
+
+HASH_ALGORITHMS = ("sha256", "blake2b", "xxh3_128")
+CHUNK_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    """Size in bytes and hex digest of one file."""
+
+    size: int
+    digest: str
+
+
+def default_hash_threads() -> int:
+    """Threads used to hash one rank's files when the caller does not say."""
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+def new_hasher(algorithm: str):
+    """A fresh hash object for `algorithm`; a clear CheckpointError for unknown or unavailable ones."""
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    if algorithm == "blake2b":
+        return hashlib.blake2b()
+    if algorithm == "xxh3_128":
+        try:
+            import xxhash
+        except ImportError as error:
+            raise CheckpointError(
+                "hash 'xxh3_128' needs the xxhash package: pip install 'astrai[fast-hash]' "
+                "(or pick checkpoint.hash: sha256)"
+            ) from error
+        return xxhash.xxh3_128()
+    raise CheckpointError(f"unknown hash algorithm {algorithm!r}; this AstrAI knows {', '.join(HASH_ALGORITHMS)}")
+
+
+def hash_file(path: Path, algorithm: str, *, fsync: bool = False) -> FileDigest:
+    """Size and digest of one file; with `fsync`, flush it to stable storage first."""
+    if fsync:
+        fs.fsync_file(path)
+    hasher = new_hasher(algorithm)
+    buffer = bytearray(CHUNK_BYTES)
+    view = memoryview(buffer)
+    size = 0
+    with open(path, "rb", buffering=0) as handle:
+        while count := handle.readinto(buffer):
+            hasher.update(view[:count])
+            size += count
+    return FileDigest(size=size, digest=hasher.hexdigest())
+
+
+def hash_files(
+    root: Path, relative_paths: list[str], algorithm: str, *, threads: int, fsync: bool = False
+) -> dict[str, FileDigest]:
+    """Digests of `root/<relative path>` for each path, hashed `threads` at a time.
+
+    The first failure (in the order of `relative_paths`) is raised after running work finishes.
+    """
+    new_hasher(algorithm)  # fail on an unknown algorithm before starting threads
+    if not relative_paths:
+        return {}
+    root = Path(root)
+    workers = max(1, min(threads, len(relative_paths)))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="checkpoint-hash") as pool:
+        digests = pool.map(lambda relative: hash_file(root / relative, algorithm, fsync=fsync), relative_paths)
+        return dict(zip(relative_paths, digests))

@@ -1,0 +1,390 @@
+"""CheckpointPublisher: crash-safe, multi-rank publishing of one checkpoint directory.
+
+`publish(step, write)` runs six phases; each ends with an exchange over the checkpoint group,
+so every rank learns every other rank's failure and all raise the same CheckpointError:
+
+1. create-staging   rank 0 makes `.step_<N>.staging-<id>` (+ a marker file); name and steps gathered
+2. shared-storage   every other rank must see the marker: checkpoint storage must be shared
+3. write            every rank runs the caller's `write(staging_dir)`
+4. gather-listing   every rank lists the staging files; all listings must agree
+5. hash             file i of the sorted listing is fsynced and hashed by rank i % world_size
+6. publish          rank 0 writes manifest.json last, fsyncs directories, runs `pre_publish`,
+                    renames staging -> step_<N> (one atomic rename) and fsyncs the parent
+Then rank 0 applies retention (`keep_last`).
+
+Failure anywhere: every rank raises CheckpointError naming the failing rank(s) and their error
+(the failing rank chains its original exception), rank 0 removes the staging directory,
+earlier checkpoints are untouched, nothing is retried. This module knows nothing of train
+types or DeepSpeed: what goes into a checkpoint is entirely the `write` callback's business.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from . import fs
+from .collective import PhaseStalledError, open_group
+from .errors import CheckpointError
+from .hashing import default_hash_threads, hash_files, new_hasher
+from .layout import retired_dir_name, staging_dir_name, step_dir_name
+from .manifest import MANIFEST_NAME, Manifest, is_safe_relative_path, write_manifest
+from .retention import CleanupReport, apply_retention, cleanup_stale, delete_retired
+from .verify import list_files
+
+logger = logging.getLogger(__name__)
+
+MARKER_NAME = ".astrai-shared-storage-check"
+SHARED_STORAGE_WAIT_S = 2.0  # a network filesystem may show another node's new file a little late
+LISTING_ATTEMPTS = 3  # same reason: a listing that disagrees is retried after a pause before failing
+_PHASES_BEFORE_PUBLISH = ("create-staging", "shared-storage", "write", "gather-listing", "hash")
+_ERRNO_HINTS = {
+    errno.ENOSPC: "out of disk space: free space or lower checkpoint.keep_last",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "file size limit reached (ulimit -f) or file too large for the filesystem",
+    errno.EIO: "I/O error reported by the storage: check the disk or filesystem",
+    errno.EROFS: "the filesystem is read-only",
+}
+
+
+@dataclass(frozen=True)
+class PublishReport:
+    """A published checkpoint: where, which step, its size, how long the save took (seconds, this rank),
+    and which older checkpoints retention removed (rank 0 only)."""
+
+    path: Path
+    step: int
+    files: int
+    bytes: int
+    seconds: float
+    removed: tuple[Path, ...] = ()
+
+
+@dataclass
+class _Save:
+    """Per-call state: the exchange group, the step, and the staging directory while it exists."""
+
+    group: Any
+    step: int
+    context: str
+    staging: Path | None = None
+
+
+def describe_error(error: BaseException) -> str:
+    """One line naming the exception type and message, with a hint for storage errnos."""
+    text = f"{type(error).__name__}: {error}"
+    hint = _ERRNO_HINTS.get(getattr(error, "errno", None))
+    return f"{text} ({hint})" if hint else text
+
+
+def describe_listing_difference(listings: Sequence[Sequence[str]]) -> str | None:
+    """None when every rank listed the same files, else which rank differs from rank 0 and how."""
+    reference = set(listings[0])
+    for rank, listing in enumerate(listings[1:], start=1):
+        if list(listing) != list(listings[0]):
+            missing = sorted(reference - set(listing))[:5]
+            extra = sorted(set(listing) - reference)[:5]
+            return (
+                f"rank {rank} sees different files than rank 0 in the staging directory: "
+                f"missing {missing}, extra {extra}"
+            )
+    return None
+
+
+class CheckpointPublisher:
+    """Publishes checkpoints into `checkpoints_dir` as `step_<N>/` directories, crash-safely.
+
+    Args:
+        checkpoints_dir: folder of the checkpoints (the same path on every rank, shared storage).
+        parts: top-level names every checkpoint must contain (e.g. ("policy", "critic")); recorded in
+            the manifest and checked after the write phase.
+        hash_algorithm: "sha256", "blake2b" or "xxh3_128" (needs the xxhash package).
+        keep_last: keep the newest K checkpoints (None keeps all); applied after each publish.
+        timeout_s: bound on each collective wait; a rank that is later than this fails the save.
+        group: a gloo process group, or None: a dedicated gloo group over all ranks is created at
+            the first call (every rank must call), or single-process mode when torch.distributed
+            is not initialized.
+        hash_threads: threads hashing this rank's share of files (default: min(8, CPUs)).
+    Every rank must call `publish` (and `cleanup_stale`) with the same arguments in the same order.
+    """
+
+    def __init__(
+        self,
+        checkpoints_dir: Path,
+        *,
+        parts: Sequence[str] = (),
+        hash_algorithm: str = "sha256",
+        keep_last: int | None = None,
+        timeout_s: float = 600.0,
+        group: Any = None,
+        hash_threads: int | None = None,
+    ):
+        self.checkpoints_dir = Path(checkpoints_dir)
+        self.parts = tuple(parts)
+        for part in self.parts:
+            if not is_safe_relative_path(part) or "/" in part or part == MANIFEST_NAME:
+                raise ValueError(f"a checkpoint part is a top-level file or folder name, got {part!r}")
+        new_hasher(hash_algorithm)  # fail when the job is built, not at the first save
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.hash_algorithm = hash_algorithm
+        self.keep_last = keep_last
+        self.timeout_s = float(timeout_s)
+        self.hash_threads = hash_threads or default_hash_threads()
+        self._given_group = group
+        self._group = None
+        self._unusable: str | None = None
+
+    def _exchange_group(self):
+        if self._unusable is not None:
+            raise CheckpointError(
+                f"the checkpoint process group is unusable after an earlier failure: {self._unusable}"
+            )
+        if self._group is None:
+            self._group = open_group(self._given_group, self.timeout_s)
+        return self._group
+
+    def _phase(self, save: _Save, phase: str, action: Callable[[], Any]) -> list[Any]:
+        """Run `action` on this rank, exchange outcomes, raise on every rank if any rank failed."""
+        error, value = None, None
+        try:
+            value = action()
+        except Exception as caught:
+            error = caught
+        outcome = (None if error is None else describe_error(error), value if error is None else None)
+        try:
+            outcomes = save.group.exchange(phase, outcome, save.context)
+        except PhaseStalledError as stalled:
+            self._unusable = str(stalled)
+            if error is None:
+                raise
+            raise PhaseStalledError(f"{stalled}; this rank had failed: {describe_error(error)}") from error
+        failures = [(rank, text) for rank, (text, _) in enumerate(outcomes) if text is not None]
+        if failures:
+            named = "; ".join(f"on rank {rank}: {text}" for rank, text in failures)
+            suffix = ""
+            if phase in _PHASES_BEFORE_PUBLISH:
+                suffix = "; nothing was published, earlier checkpoints are untouched"
+            raise CheckpointError(f"{save.context} failed in phase '{phase}' {named}{suffix}") from error
+        return [value for _, value in outcomes]
+
+    def cleanup_stale(self) -> CleanupReport:
+        """Rank 0 removes leftover staging/retired directories (see `retention.cleanup_stale`).
+
+        Call on every rank at start, before resuming and before any publish; returns rank 0's report.
+        """
+        group = self._exchange_group()
+        save = _Save(group=group, step=-1, context=f"checkpoint cleanup of {self.checkpoints_dir}")
+        reports = self._phase(
+            save, "cleanup-stale", lambda: cleanup_stale(self.checkpoints_dir) if group.rank == 0 else None
+        )
+        return reports[0]
+
+    def publish(
+        self,
+        step: int,
+        write: Callable[[Path], None],
+        *,
+        meta: dict[str, Any] | None = None,
+        pre_publish: Callable[[], None] | None = None,
+    ) -> PublishReport:
+        """Write, hash and atomically publish checkpoint `step` (every rank calls, with the same step).
+
+        Returns a PublishReport: path, step, files and bytes agree on every rank; `removed`
+        (retention) is filled on rank 0 only.
+
+        `write(staging_dir)` runs on every rank and writes that rank's files under staging_dir.
+        `meta` (JSON-serializable, rank 0's is used) goes into the manifest as is.
+        `pre_publish()` runs on rank 0 after the manifest is durable, just before the publishing
+        rename (the trainer flushes and fsyncs metrics.jsonl there); its failure fails the save.
+        Republishing an existing step replaces it atomically (see `_install`).
+        """
+        started = time.monotonic()
+        group = self._exchange_group()
+        save = _Save(group=group, step=step, context=f"checkpoint save step {step}")
+        try:
+            manifest = self._stage(save, write, meta or {})
+            paths = self._phase(
+                save, "publish", lambda: self._install(save, manifest, pre_publish) if group.rank == 0 else None
+            )
+        except CheckpointError:
+            self._remove_staging(save)
+            raise
+        published = Path(paths[0])
+        removed = self._apply_retention(published) if group.rank == 0 else ()
+        report = PublishReport(
+            path=published, step=step, files=len(manifest.files), bytes=manifest.total_bytes,
+            seconds=time.monotonic() - started, removed=removed,
+        )
+        if group.rank == 0:
+            logger.info(
+                "published %s: %d files, %.1f MiB in %.2f s", published, report.files, report.bytes / 2**20, report.seconds
+            )
+        return report
+
+    def _stage(self, save: _Save, write: Callable[[Path], None], meta: dict[str, Any]) -> Manifest:
+        """Phases 1-5: a complete, fsynced staging directory and the manifest describing it."""
+        group, rank = save.group, save.group.rank
+        values = self._phase(save, "create-staging", lambda: self._create_staging(save))
+        for other_rank, (other_step, *_ignored) in enumerate(values):
+            if other_step != values[0][0]:
+                raise CheckpointError(
+                    f"{save.context}: ranks disagree on the step: rank 0 saves step {values[0][0]}, "
+                    f"rank {other_rank} saves step {other_step}; nothing was published"
+                )
+        _, writer_host, staging_name, token = values[0]
+        staging = save.staging = self.checkpoints_dir / staging_name
+        if group.world_size > 1:
+            marker = staging / MARKER_NAME
+            self._phase(
+                save, "shared-storage", lambda: None if rank == 0 else self._await_marker(marker, token, writer_host)
+            )
+
+        def run_write() -> None:
+            if rank == 0 and group.world_size > 1:
+                fs.remove_file(staging / MARKER_NAME)  # every rank has seen it; it must not be hashed
+            write(staging)
+            if rank == 0 and os.path.lexists(staging / MANIFEST_NAME):
+                raise CheckpointError("the write callback must not create manifest.json (the publisher writes it)")
+
+        self._phase(save, "write", run_write)
+        listing = self._agreed_listing(save, staging)
+        missing = [
+            part for part in self.parts if not any(path == part or path.startswith(part + "/") for path in listing)
+        ]
+        if missing:
+            raise CheckpointError(
+                f"{save.context}: the write callback produced no files for the part(s) {', '.join(missing)} "
+                "this checkpoint must contain; nothing was published"
+            )
+        share = listing[rank :: group.world_size]
+        digest_maps = self._phase(
+            save, "hash", lambda: hash_files(staging, share, self.hash_algorithm, threads=self.hash_threads, fsync=True)
+        )
+        files = {path: digest for digests in digest_maps for path, digest in digests.items()}
+        return Manifest(
+            step=save.step, parts=self.parts, hash_algorithm=self.hash_algorithm, files=files,
+            world_size=group.world_size, meta=meta,
+        )
+
+    def _create_staging(self, save: _Save) -> tuple[int, str, str | None, str | None]:
+        """Rank 0: make the staging dir (and the shared-storage marker). Returns (step, host, name, token)."""
+        host = socket.gethostname()
+        if save.group.rank != 0:
+            return (save.step, host, None, None)
+        if not self.checkpoints_dir.is_dir():
+            os.makedirs(self.checkpoints_dir, exist_ok=True)
+            fs.fsync_dir(self.checkpoints_dir.parent)
+        staging = self.checkpoints_dir / staging_dir_name(save.step)
+        fs.make_dir(staging)
+        save.staging = staging
+        token = uuid.uuid4().hex
+        if save.group.world_size > 1:
+            fs.write_bytes(staging / MARKER_NAME, token.encode())
+        return (save.step, host, staging.name, token)
+
+    def _await_marker(self, marker: Path, token: str, writer_host: str) -> None:
+        """Non-zero ranks: wait briefly for rank 0's marker; its absence means storage is not shared."""
+        deadline = time.monotonic() + min(SHARED_STORAGE_WAIT_S, self.timeout_s / 4)
+        while True:
+            try:
+                if marker.read_bytes() == token.encode():
+                    return
+            except OSError:
+                pass
+            if time.monotonic() >= deadline:
+                raise CheckpointError(
+                    f"checkpoint storage must be shared by all ranks: rank {self._group.rank} on host "
+                    f"{socket.gethostname()} cannot see {marker}, written by rank 0 on host {writer_host}; "
+                    "put output_dir on a filesystem every node mounts at the same path"
+                )
+            time.sleep(0.05)
+
+    def _agreed_listing(self, save: _Save, staging: Path) -> list[str]:
+        """The sorted staging file list, identical on every rank (retried briefly, then an error)."""
+        for attempt in range(LISTING_ATTEMPTS):
+            listings = self._phase(save, "gather-listing", lambda: list_files(staging))
+            difference = describe_listing_difference(listings)
+            if difference is None:
+                return listings[0]
+            if attempt + 1 < LISTING_ATTEMPTS:
+                time.sleep(1.0)
+        raise CheckpointError(
+            f"{save.context}: {difference}; checkpoint storage must be shared by all ranks; nothing was published"
+        )
+
+    def _install(self, save: _Save, manifest: Manifest, pre_publish: Callable[[], None] | None) -> str:
+        """Rank 0: manifest last, fsync directories, pre_publish, then the publishing rename(s).
+
+        Republish of an existing step_<N>: rename it to `.step_<N>.retired-<id>`, rename staging
+        to step_<N>, fsync the parent, delete the retired one. A crash between the two renames
+        leaves only the retired copy, which `cleanup_stale()` renames back; a failure of the
+        second rename puts it back at once.
+        """
+        staging = save.staging
+        write_manifest(staging, manifest)
+        for directory, _, _ in os.walk(staging, topdown=False):
+            if Path(directory) != staging:
+                fs.fsync_dir(Path(directory))
+        if pre_publish is not None:
+            pre_publish()
+        final = self.checkpoints_dir / step_dir_name(save.step)
+        if not os.path.lexists(final):
+            fs.rename(staging, final)
+            save.staging = None
+            self._sync_parent(final)
+            return str(final)
+        retired = self.checkpoints_dir / retired_dir_name(save.step)
+        fs.rename(final, retired)
+        try:
+            fs.rename(staging, final)
+        except Exception:
+            try:
+                fs.rename(retired, final)
+            except OSError as error:
+                logger.error("could not restore %s from %s (%s); cleanup_stale() restores it", final, retired, error)
+            raise
+        save.staging = None
+        self._sync_parent(final)
+        try:
+            delete_retired(retired)
+        except OSError as error:
+            logger.warning("could not delete the replaced checkpoint %s (%s); cleanup_stale() will", retired, error)
+        return str(final)
+
+    def _sync_parent(self, published: Path) -> None:
+        try:
+            fs.fsync_dir(self.checkpoints_dir)
+        except OSError as error:
+            raise CheckpointError(
+                f"{published} was published, but syncing {self.checkpoints_dir} failed "
+                f"({describe_error(error)}); it may not survive a power loss"
+            ) from error
+
+    def _apply_retention(self, published: Path) -> tuple[Path, ...]:
+        """Rank 0: keep_last retention; a failure is logged, never fails the save (the new checkpoint is published)."""
+        if self.keep_last is None:
+            return ()
+        try:
+            return tuple(apply_retention(self.checkpoints_dir, self.keep_last, protect=published))
+        except OSError as error:
+            logger.warning("checkpoint retention failed (%s); cleanup_stale() removes leftovers at next start", error)
+            return ()
+
+    def _remove_staging(self, save: _Save) -> None:
+        """Rank 0, after a failure: remove the staging directory; never raises over the original error."""
+        if save.group.rank != 0 or save.staging is None or not os.path.lexists(save.staging):
+            return
+        try:
+            fs.remove_tree(save.staging)
+        except OSError as error:
+            logger.warning("could not remove %s after a failed save (%s); cleanup_stale() will", save.staging, error)

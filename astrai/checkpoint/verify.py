@@ -1,0 +1,159 @@
+"""Read side: verify a checkpoint against its manifest, find the newest valid one, check parts."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from .errors import CheckpointError, CheckpointVerifyError, LegacyCheckpointError
+from .hashing import default_hash_threads, hash_files
+from .layout import list_hidden, list_published
+from .manifest import MANIFEST_NAME, Manifest, read_manifest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """What a successful verification checked; `seconds` is wall time including hashing."""
+
+    checkpoint: Path
+    step: int
+    files: int
+    bytes: int
+    seconds: float
+    algorithm: str
+    digests_checked: bool = True
+
+
+def list_files(root: Path) -> list[str]:
+    """Every file under `root` as sorted relative posix paths, top-level manifest.json excluded.
+
+    Symlinks to files count as files; symlinked directories are not followed.
+    """
+    root = Path(root)
+    found = []
+    for directory, _, names in os.walk(root):
+        relative = Path(directory).relative_to(root).as_posix()
+        for name in names:
+            found.append(name if relative == "." else f"{relative}/{name}")
+    return sorted(path for path in found if path != MANIFEST_NAME)
+
+
+def load_manifest_for_verify(checkpoint_dir: Path) -> Manifest:
+    """The manifest, with every way of not having a usable one raised as CheckpointVerifyError."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        raise CheckpointVerifyError(checkpoint_dir, "not a directory", "missing or not a folder")
+    try:
+        manifest = read_manifest(checkpoint_dir)
+    except CheckpointError as error:
+        raise CheckpointVerifyError(checkpoint_dir, "bad manifest", str(error), MANIFEST_NAME) from error
+    if manifest is None:
+        raise LegacyCheckpointError(checkpoint_dir)
+    return manifest
+
+
+def verify_checkpoint(checkpoint_dir: Path, *, hash_threads: int | None = None, digests: bool = True) -> VerifyReport:
+    """Check every file of a checkpoint against its manifest; raise on the first bad file.
+
+    Cheap checks run first over all files in sorted order (missing, unexpected extra file,
+    wrong size), then digests (skipped with `digests=False`), so a wrong size anywhere is
+    reported before a wrong digest. Raises CheckpointVerifyError (LegacyCheckpointError when
+    there is no manifest.json).
+    """
+    started = time.monotonic()
+    checkpoint_dir = Path(checkpoint_dir)
+    manifest = load_manifest_for_verify(checkpoint_dir)
+    on_disk = set(list_files(checkpoint_dir))
+    for path in sorted(on_disk | set(manifest.files)):
+        if path not in on_disk:
+            raise CheckpointVerifyError(checkpoint_dir, "missing", "listed in the manifest but absent", path)
+        if path not in manifest.files:
+            raise CheckpointVerifyError(checkpoint_dir, "unexpected file", "present but not in the manifest", path)
+        try:
+            size = (checkpoint_dir / path).stat().st_size
+        except OSError as error:
+            raise CheckpointVerifyError(checkpoint_dir, "missing", f"cannot stat: {error}", path) from error
+        if size != manifest.files[path].size:
+            detail = f"{size} bytes on disk, {manifest.files[path].size} in the manifest"
+            raise CheckpointVerifyError(checkpoint_dir, "wrong size", detail, path)
+    if digests:
+        ordered = sorted(manifest.files)
+        threads = hash_threads or default_hash_threads()
+        try:
+            actual = hash_files(checkpoint_dir, ordered, manifest.hash_algorithm, threads=threads)
+        except OSError as error:
+            bad = Path(os.path.relpath(error.filename, checkpoint_dir)).as_posix() if error.filename else None
+            raise CheckpointVerifyError(checkpoint_dir, "unreadable", str(error), bad) from error
+        except CheckpointError as error:  # e.g. xxh3_128 without the xxhash package
+            raise CheckpointVerifyError(checkpoint_dir, "bad manifest", str(error), MANIFEST_NAME) from error
+        for path in ordered:
+            expected = manifest.files[path]
+            if actual[path] != expected:
+                detail = f"{manifest.hash_algorithm} {actual[path].digest}, manifest says {expected.digest}"
+                raise CheckpointVerifyError(checkpoint_dir, "wrong digest", detail, path)
+    return VerifyReport(
+        checkpoint=checkpoint_dir, step=manifest.step, files=len(manifest.files), bytes=manifest.total_bytes,
+        seconds=time.monotonic() - started, algorithm=manifest.hash_algorithm, digests_checked=digests,
+    )
+
+
+def find_latest(checkpoints_dir: Path, *, verify: bool = False, hash_threads: int | None = None) -> Path | None:
+    """The published checkpoint with the highest step whose manifest reads (and verifies, if asked).
+
+    Invalid ones are skipped with a logged warning. Staging and retired directories are never
+    returned; a step that exists only as a retired directory (a republish interrupted between its
+    two renames) is reported with a warning: `cleanup_stale()` renames it back, so run it first.
+    A legacy directory (no manifest.json) counts, with a warning, and cannot be verified.
+    Returns None when there is no usable checkpoint (or no folder at all).
+    """
+    published = list_published(checkpoints_dir)
+    _warn_about_recoverable(checkpoints_dir, {step for step, _ in published})
+    for step, path in reversed(published):
+        try:
+            manifest = read_manifest(path)
+            if manifest is None:
+                logger.warning("%s has no manifest.json: loading it as a legacy checkpoint (cannot be verified)", path)
+                return path
+            if manifest.step != step:
+                raise CheckpointError(f"{path}: manifest says step {manifest.step}, the directory name says {step}")
+            if verify:
+                verify_checkpoint(path, hash_threads=hash_threads)
+            return path
+        except CheckpointError as error:
+            logger.warning("skipping checkpoint %s: %s", path, error)
+    return None
+
+
+def _warn_about_recoverable(checkpoints_dir: Path, published_steps: set[int]) -> None:
+    for kind, step, path in list_hidden(checkpoints_dir):
+        if kind == "retired" and step not in published_steps and (path / MANIFEST_NAME).is_file():
+            logger.warning(
+                "checkpoint step %d exists only as %s (a republish was interrupted); "
+                "cleanup_stale() restores it, run it before looking for the latest checkpoint", step, path,
+            )
+
+
+def require_parts(checkpoint_dir: Path, parts: Iterable[str]) -> None:
+    """Raise CheckpointError naming every part of `parts` the checkpoint lacks.
+
+    Parts are read from the manifest; for a legacy checkpoint, a part is present when a
+    file or folder of that name exists at its top level.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    wanted = list(parts)
+    manifest = read_manifest(checkpoint_dir)
+    if manifest is None:
+        missing = [part for part in wanted if not (checkpoint_dir / part).exists()]
+    else:
+        missing = [part for part in wanted if part not in manifest.parts]
+    if missing:
+        have = sorted(manifest.parts) if manifest else "legacy checkpoint, no manifest"
+        raise CheckpointError(
+            f"checkpoint {checkpoint_dir} lacks the part(s) {', '.join(missing)} this job needs (it has: {have})"
+        )

@@ -1,0 +1,110 @@
+"""One gloo rank of test_checkpoint_ranks.py: `python checkpoint_rank_worker.py <scenario> <root> <results_dir>`.
+
+Rank, world size and rendezvous come from the environment (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT). Each rank writes `<results_dir>/rank<R>.json` describing what it saw, then
+leaves with os._exit so a dead peer can never hang process-group teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as distributed
+
+from astrai.checkpoint import CheckpointError, CheckpointPublisher
+
+
+def rank_writer(rank: int, fail_on_rank: int | None = None, exit_on_rank: int | None = None):
+    """Write callback: policy/rank_<R>.bin on every rank, trainer_state.json + job.yaml on rank 0."""
+
+    def write(staging: Path) -> None:
+        (staging / "policy").mkdir(exist_ok=True)
+        (staging / "policy" / f"rank_{rank}.bin").write_bytes(os.urandom(64 * 1024 + rank))
+        if rank == 0:
+            (staging / "trainer_state.json").write_text('{"step": 0}')
+            (staging / "job.yaml").write_text("output_dir: test\n")
+        if rank == fail_on_rank:
+            raise RuntimeError(f"injected failure on rank {rank}")
+        if rank == exit_on_rank:
+            os._exit(17)  # a rank dying mid-save, without any cleanup
+
+    return write
+
+
+def attempt(action) -> dict:
+    """Run one publish; report its path or its error (message, type, type of the chained cause)."""
+    started = time.monotonic()
+    try:
+        report = action()
+        return {"ok": True, "path": str(report.path), "files": report.files, "seconds": time.monotonic() - started}
+    except CheckpointError as error:
+        return {
+            "ok": False, "error": str(error), "type": type(error).__name__,
+            "cause": type(error.__cause__).__name__ if error.__cause__ else None,
+            "seconds": time.monotonic() - started,
+        }
+
+
+def suite(rank: int, root: Path) -> dict:
+    """cleanup_stale, (a) normal publish, (b) failing write on rank 1, (c) steps disagree,
+    (e) storage not shared, then a publish again on the same group."""
+    group = distributed.new_group(backend="gloo", timeout=timedelta(seconds=30))
+    publisher = CheckpointPublisher(root / "checkpoints", parts=["policy"], timeout_s=30, group=group)
+    if rank == 0:  # left over by an earlier crash; cleanup_stale (rank 0 works, both ranks wait) removes it
+        (root / "checkpoints" / ".step_00000005.staging-0dead").mkdir(parents=True)
+    results = {"cleanup_removed": [str(path) for path in publisher.cleanup_stale().removed]}
+    results["normal"] = attempt(lambda: publisher.publish(10, rank_writer(rank)))
+    results["write_fails"] = attempt(lambda: publisher.publish(20, rank_writer(rank, fail_on_rank=1)))
+    results["steps_disagree"] = attempt(lambda: publisher.publish(30 + rank, rank_writer(rank)))
+    elsewhere = root / ("checkpoints" if rank == 0 else "node-local-disk")
+    unshared = CheckpointPublisher(elsewhere, parts=["policy"], timeout_s=30, group=group)
+    results["not_shared"] = attempt(lambda: unshared.publish(40, rank_writer(rank)))
+    results["after_failures"] = attempt(lambda: publisher.publish(50, rank_writer(rank)))
+    return results
+
+
+def rank_dies(rank: int, root: Path) -> dict:
+    """(d) rank 1 exits inside its write callback; the publisher creates its own gloo group lazily."""
+    publisher = CheckpointPublisher(root / "checkpoints", parts=["policy"], timeout_s=5)
+    results = {"normal": attempt(lambda: publisher.publish(10, rank_writer(rank)))}
+    results["peer_died"] = attempt(lambda: publisher.publish(20, rank_writer(rank, exit_on_rank=1)))
+    return results
+
+
+def rank_hangs(rank: int, root: Path) -> dict:
+    """Rank 1 stalls inside its write callback (alive, silent) until rank 0 has reported, then exits."""
+    publisher = CheckpointPublisher(root / "checkpoints", parts=["policy"], timeout_s=4)
+    report_of_rank_zero = root / "results" / "rank0.json"
+    writer = rank_writer(rank)
+
+    def stall_on_rank_one(staging: Path) -> None:
+        writer(staging)
+        while rank == 1:
+            if report_of_rank_zero.exists():
+                os._exit(18)
+            time.sleep(0.1)
+
+    return {"peer_hung": attempt(lambda: publisher.publish(10, stall_on_rank_one))}
+
+
+SCENARIOS = {"suite": suite, "rank_dies": rank_dies, "rank_hangs": rank_hangs}
+
+
+def main() -> None:
+    scenario, root, results_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    distributed.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = distributed.get_rank()
+    results = SCENARIOS[scenario](rank, root)
+    (results_dir / f"rank{rank}.json").write_text(json.dumps(results, indent=1))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
