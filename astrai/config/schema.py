@@ -127,11 +127,46 @@ class RuntimeConfig(Section):
     tensorboard: bool = Field(True, description="Write TensorBoard events when `tensorboard` is installed.")
 
 
-class InfraConfig(Section):
-    """Host-side settings read by the wrappers; the trainer ignores them."""
+class GpuConfig(Section):
+    devices: Literal["all"] | list[int] = Field("all", description="GPUs of the host for this job: `all` (CUDA_VISIBLE_DEVICES left unset) or a list like [0, 1, 2, 3].")
+    count: int | None = Field(None, ge=1, description="Ranks to start on the host (default: the number of listed devices, or every GPU).")
 
-    model_config = ConfigDict(extra="allow")
+
+class NodeConfig(Section):
+    host: str = Field(..., description="Host name or address of a node.")
+    slots: int = Field(..., ge=1, description="Ranks (GPUs) to run on that node.")
+
+
+class InfraConfig(Section):
+    """Host side: containers, GPUs and nodes. Read by the wrappers and `python -m astrai launch`; the trainer ignores it."""
+
     job_name: str | None = Field(None, description="Name of the job (containers, logs).")
+    data: str | None = Field(None, description="Host folder mounted read-only as the container's data folder.")
+    model: str | None = Field(None, description="Host folder of models mounted into the container.")
+    checkpoint_dir: str | None = Field(None, description="Host folder mounted as the container's output folder (checkpoints, metrics).")
+    gpu: GpuConfig = Field(default_factory=GpuConfig, description="Which GPUs of the host the job uses.")
+    image: str = Field("astrai:latest", description="Container image the trainer runs in.")
+    shm_size: str = Field("16g", description="Shared memory of the container (NCCL and data loaders need plenty).")
+    nodes: list[NodeConfig] | None = Field(None, description="Nodes of a multi-node job (exclusive with `hostfile`).")
+    hostfile: str | None = Field(None, description="A DeepSpeed hostfile (`host slots=N` lines) instead of `nodes`.")
+    master_addr: str | None = Field(None, description="Address of node 0 for the rendezvous (default: the first node).")
+    master_port: int = Field(29500, ge=1, le=65535, description="Rendezvous port on the master node.")
+    launcher: Literal["pdsh", "openmpi", "slurm", "no_ssh"] = Field("pdsh", description="How DeepSpeed's launcher reaches the nodes.")
+    gpus_per_node: int | None = Field(None, ge=1, description="Devices each node must have (checked by the preflight).")
+
+    @model_validator(mode="after")
+    def _one_host_list(self) -> "InfraConfig":
+        if self.nodes is not None and self.hostfile is not None:
+            raise ValueError("give at most one of `infra.nodes` or `infra.hostfile`")
+        return self
+
+
+class ServeConfig(Section):
+    model_dir: str | None = Field(None, description="Host folder of the exported Hugging Face model to serve.")
+    image: str = Field("vllm/vllm-openai:latest", description="Image of the OpenAI-compatible server.")
+    port: int = Field(8000, ge=1, le=65535, description="Host port of the server.")
+    served_model_name: str | None = Field(None, description="Model name clients use (default: the job name).")
+    extra_args: list[str] = Field(default_factory=list, description="Extra arguments for the server command line.")
 
 
 class ExportConfig(Section):
@@ -161,6 +196,7 @@ class JobConfig(Section):
     infra: InfraConfig = Field(default_factory=InfraConfig, description="Host side (containers, GPUs, nodes), read by the wrappers; the trainer ignores it. Extra keys allowed.")
     export: ExportConfig = Field(default_factory=ExportConfig, description="Hugging Face export of the final policy.")
     dpo: DpoConfig = Field(default_factory=DpoConfig, description="Preference optimisation (`train_type: dpo`).")
+    serve: ServeConfig = Field(default_factory=ServeConfig, description="Serving an export with an OpenAI-compatible engine (`scripts/serve.sh`).")
 
     @model_validator(mode="after")
     def _tokenizer_source(self) -> "JobConfig":
