@@ -1,6 +1,7 @@
 """`python -m astrai <tool>`: the one home of AstrAI's command-line tools.
 
   verify <checkpoint>            re-hash a checkpoint against its manifest
+  export-hf <checkpoint> <dest>  write a checkpoint as a Hugging Face model folder (docs/guides/export.md)
   plot <output_dir> [-o png]     draw every metric of metrics.jsonl against the step
   config-docs                    print the job config reference (docs/guides/config.md)
 """
@@ -40,7 +41,13 @@ def _config_docs(argv: list[str]) -> int:
     return 0
 
 
-TOOLS = {"plot": _plot, "verify": _verify, "config-docs": _config_docs}
+def _export_hf(argv: list[str]) -> int:
+    from astrai.export import export_main
+
+    return export_main(argv)
+
+
+TOOLS = {"plot": _plot, "verify": _verify, "export-hf": _export_hf, "config-docs": _config_docs}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     from astrai.config import dump_job
     from astrai.data.sources import DataError
     from astrai.engine import set_log_format, setup_distributed, shutdown_distributed
+    from astrai.export import ExportError
     from astrai.models.policy import ModelError
     from astrai.models.tokenizer import TokenizerError
     from astrai.trainer import TRAIN_LOOPS
@@ -81,9 +82,13 @@ def main(argv: list[str] | None = None) -> int:
             (output_dir / "job.yaml").write_text(dump_job(job))
         run = build_run(job, dist, args.config)
         state = TRAIN_LOOPS[run.strategy.loop](run)
+        if job.export.on_finish and dist.is_main:
+            from astrai.export import export_finished_run
+
+            logger.info("exported the final policy to %s", export_finished_run(job))
         logger.info("done: %d steps, outputs in %s", state.step, output_dir)
         return 0
-    except (DataError, ModelError, TokenizerError, CheckpointError) as error:
+    except (DataError, ModelError, TokenizerError, CheckpointError, ExportError) as error:
         logger.error("%s", error, exc_info=bool(os.environ.get("ASTR_DEBUG")))
         return 1
     finally:

@@ -174,6 +174,12 @@ class ExportConfig(Section):
     dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Dtype of the exported weights.")
     on_finish: bool = Field(False, description="Export when the run ends.")
 
+    @model_validator(mode="after")
+    def _destination(self) -> "ExportConfig":
+        if self.on_finish and not self.hf_dir:
+            raise ValueError("`export.on_finish: true` needs `export.hf_dir`")
+        return self
+
 
 class DpoConfig(Section):
     beta: float = Field(0.1, gt=0, description="Strength of the implicit KL to the reference (DPO's beta).")

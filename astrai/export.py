@@ -1,0 +1,374 @@
+"""Hugging Face export: a checkpoint's consolidated weights -> a folder `from_pretrained` loads.
+
+`python -m astrai export-hf <checkpoint> <destination>` (and `export.on_finish` at the end of a run).
+The policy is trained as an unchanged transformers module, so DeepSpeed's consolidated state dict
+already uses Hugging Face parameter names: the "key map" of this adapter is the identity, except for
+tied weights (`lm_head.weight` is an alias of the input embedding), which are dropped from the dict
+and re-tied by transformers after loading.
+
+Steps: verify the checkpoint against its manifest -> rebuild the architecture from the checkpoint's
+`job.yaml` on the meta device (no second full copy of the weights) -> load the consolidated fp32
+weights strictly, cast to the export dtype -> write safetensors shards, config, generation config and
+tokenizer into a hidden staging folder -> one rename makes it visible. A crash at any point leaves
+either no destination or the previous export, never a half-written folder under the destination name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+import uuid
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("astrai.export")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PARTS = ("policy", "critic")
+LARGE_MODEL_BYTES = 2**30  # above this, the progress bar shows even when stderr is not a terminal
+
+
+class ExportError(Exception):
+    """An export that cannot be made; the message says which checkpoint or folder, and why."""
+
+
+# ----------------------------------------------------------------------------- finding the input
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory for `path`: itself, or the newest checkpoint of a checkpoints folder or
+    output_dir. "Newest" is `find_latest`'s: the highest step whose manifest reads; it is verified
+    afterwards, so a corrupt newest checkpoint is reported rather than silently skipped for an older one."""
+    from astrai.checkpoint import find_latest
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ExportError(f"{path}: no such directory")
+    # Not job.yaml: an output_dir holds one too.
+    if (path / "manifest.json").is_file() or any((path / part).is_dir() for part in PARTS):
+        return path
+    checkpoints_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    latest = find_latest(checkpoints_dir)
+    if latest is None:
+        raise ExportError(f"{path}: not a checkpoint, and {checkpoints_dir} holds no published checkpoint (step_<N> folder)")
+    logger.info("newest checkpoint in %s: %s", checkpoints_dir, latest)
+    return Path(latest)
+
+
+def check_checkpoint(checkpoint: Path, part: str, verify: bool) -> None:
+    """Refuse a checkpoint that fails its manifest, or lacks the part; a legacy one only warns."""
+    from astrai.checkpoint import CheckpointVerifyError, LegacyCheckpointError, verify_checkpoint
+
+    if part not in PARTS:
+        raise ExportError(f"--part: unknown part {part!r} (use one of {', '.join(PARTS)})")
+    if part == "critic":
+        if not (checkpoint / "critic").is_dir():
+            raise ExportError(f"{checkpoint}: checkpoint has no critic part (only online_ppo jobs have one)")
+        # Honest until the ValueModel critic and its HF layout exist: no half-right export.
+        raise ExportError(f"{checkpoint}: exporting the critic is not implemented yet (its Hugging Face layout is not defined)")
+    if verify:
+        try:
+            report = verify_checkpoint(checkpoint)
+        except LegacyCheckpointError:
+            logger.warning("%s has no manifest.json (a legacy checkpoint): exporting it unverified", checkpoint)
+        except CheckpointVerifyError as error:
+            raise ExportError(f"{error} (use --no-verify to export it anyway)") from None
+        else:
+            logger.info("verified %s: %d files, %s", checkpoint, report.files, report.algorithm)
+    if not (checkpoint / part).is_dir():
+        raise ExportError(f"{checkpoint}: no {part}/ folder (not an AstrAI checkpoint?)")
+    if not (checkpoint / "job.yaml").is_file():
+        raise ExportError(f"{checkpoint}: no job.yaml, so the model's architecture is unknown")
+
+
+def load_checkpoint_job(checkpoint: Path):
+    """The resolved job the checkpoint was trained with (paths not re-checked: only the model matters)."""
+    from astrai.config import ConfigError, load_job
+
+    try:
+        return load_job(checkpoint / "job.yaml", check_paths=False)
+    except ConfigError as error:
+        raise ExportError(f"{checkpoint}/job.yaml: {error}") from None
+
+
+def load_export_tokenizer(job, checkpoint: Path, tokenizer_dir: str | Path | None):
+    """The tokenizer the run trained with: `tokenizer_dir`, else the run's saved `<output_dir>/tokenizer`
+    (a built one), else the job's `tokenizer.path` / `model.path`."""
+    from astrai.models.tokenizer import TokenizerError, load_tokenizer
+
+    if tokenizer_dir is not None:
+        candidates = [Path(tokenizer_dir)]
+    elif job.tokenizer.build is not None:
+        # The checkpoint's own run first: a relative output_dir in job.yaml is relative to wherever
+        # training ran, and could name another run's tokenizer from here.
+        run_dir = checkpoint.resolve().parent.parent if checkpoint.resolve().parent.name == "checkpoints" else None
+        candidates = ([run_dir / "tokenizer"] if run_dir else []) + [Path(job.output_dir) / "tokenizer"]
+    else:
+        candidates = [Path(job.tokenizer.path or job.model.path)]
+    for candidate in candidates:
+        if candidate.is_dir():
+            try:
+                return load_tokenizer(str(candidate), job.tokenizer.chat_template)
+            except TokenizerError as error:
+                raise ExportError(str(error)) from None
+    tried = ", ".join(str(candidate) for candidate in candidates)
+    raise ExportError(f"tokenizer of {checkpoint} not found (tried {tried}); give --tokenizer-dir")
+
+
+# ----------------------------------------------------------------------------- model and weights
+
+
+def build_skeleton(job, tokenizer):
+    """The job's architecture with every tensor on the meta device (no memory, no init work)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from astrai.models.policy import ModelError, build_policy
+
+    try:
+        if job.model.init is not None:
+            # build_policy itself, so that vocab size, special ids and any future default match training;
+            # training-only switches are turned off, and its seeding must not touch the caller's RNG.
+            model_config = job.model.model_copy(update={"gradient_checkpointing": False, "attn_implementation": None})
+            with torch.random.fork_rng(devices=[]), torch.device("meta"):
+                return build_policy(model_config, tokenizer, job.train.seed)
+        if not Path(job.model.path).is_dir():
+            raise ExportError(f"model.path {job.model.path!r} of the job is not a folder here: its config.json gives the architecture")
+        config = AutoConfig.from_pretrained(job.model.path, local_files_only=True)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except (ModelError, OSError, ValueError) as error:
+        raise ExportError(f"cannot rebuild the model of the job: {error}") from None
+
+
+def tied_aliases(model) -> dict[str, str]:
+    """{alias: source} of the weights this model ties (e.g. lm_head.weight -> embed_tokens.weight)."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return {}
+    return dict(model.get_expanded_tied_weights_keys(all_submodels=True))
+
+
+def prepare_state(state: dict[str, torch.Tensor], model, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Check `state` against the skeleton (names and shapes), drop tied aliases, cast to `dtype`.
+
+    Casts one tensor at a time, releasing its fp32 original, so peak memory stays near one copy.
+    """
+    aliases = tied_aliases(model)
+    for alias, source in aliases.items():
+        if alias in state and source in state and not torch.equal(state[alias], state[source]):
+            raise ExportError(f"{alias} and {source} differ in the checkpoint, but the config ties them (tie_word_embeddings)")
+        state.pop(alias, None)
+    expected = {name: tensor.shape for name, tensor in model.state_dict().items() if name not in aliases}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong_shape = [f"{name} {tuple(state[name].shape)} != {tuple(shape)}" for name, shape in expected.items() if name in state and state[name].shape != shape]
+    if missing or unexpected or wrong_shape:
+        problems = [f"{label}: {', '.join(names)}" for label, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong_shape)) if names]
+        raise ExportError("checkpoint weights do not fit the job's architecture: " + "; ".join(problems))
+    from tqdm.auto import tqdm
+
+    total_bytes = sum(tensor.numel() * tensor.element_size() for tensor in state.values())
+    show = sys.stderr.isatty() or total_bytes > LARGE_MODEL_BYTES
+    converted = {}
+    for name in tqdm(sorted(state), desc=f"export: weights to {dtype}", unit="tensor", disable=not show):
+        converted[name] = state.pop(name).to(dtype).contiguous()
+    return converted
+
+
+def load_weights(model, state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """Put the tensors into the meta skeleton (assign: no copy) and re-tie aliases to their source."""
+    result = model.load_state_dict(state, strict=False, assign=True)
+    leftover = [name for name in result.missing_keys if name not in tied_aliases(model)]
+    if leftover or result.unexpected_keys:  # prepare_state checked already; this guards against drift
+        raise ExportError(f"weights not loaded: missing {leftover}, unexpected {result.unexpected_keys}")
+    model.tie_weights()
+    model.config.dtype = dtype
+    model.config.use_cache = True  # a `model.path` config saved with gradient checkpointing may have it off
+
+
+def set_generation_config(model, tokenizer, job) -> None:
+    """Generation defaults of a `model.path` model when it has them; end/pad ids from the tokenizer."""
+    from transformers import GenerationConfig
+
+    if job.model.path is not None and (Path(job.model.path) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(job.model.path, local_files_only=True)
+    elif model.generation_config is None:
+        model.generation_config = GenerationConfig.from_model_config(model.config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    if tokenizer.bos_token_id is not None:
+        model.generation_config.bos_token_id = tokenizer.bos_token_id
+
+
+# ----------------------------------------------------------------------------- crash-safe writing
+
+
+def fsync_tree(folder: Path) -> None:
+    """Every file and directory under `folder` on stable storage before the publishing rename.
+
+    Also gives files the usual umask permissions: safetensors writes its files 0600, and an export
+    is meant to be read by other users (a serving container, colleagues)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for directory, _, names in os.walk(folder):
+        for name in names:
+            os.chmod(Path(directory) / name, 0o666 & ~umask)
+            descriptor = os.open(Path(directory) / name, os.O_RDONLY)
+            try:
+                os.fsync(descriptor)
+            finally:
+                os.close(descriptor)
+        fsync_dir(Path(directory))
+
+
+def fsync_dir(folder: Path) -> None:
+    descriptor = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def check_destination(destination: Path, overwrite: bool) -> None:
+    if destination.exists() and not destination.is_dir():
+        raise ExportError(f"destination {destination} exists and is not a folder")
+    if destination.is_dir() and any(destination.iterdir()) and not overwrite:
+        raise ExportError(f"destination {destination} is not empty (use --overwrite to replace it)")
+
+
+def remove_stale_staging(destination: Path) -> None:
+    """Staging folders of crashed exports to the same destination: never loadable, only disk space."""
+    for stale in destination.parent.glob(f".{destination.name}.staging-*"):
+        logger.warning("removing %s, left by an interrupted export", stale)
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def write_files(model, tokenizer, staging: Path, max_shard_size: str) -> None:
+    """config.json, generation_config.json, safetensors shards (+ index past max_shard_size), tokenizer."""
+    model.save_pretrained(staging, max_shard_size=max_shard_size)
+    tokenizer.save_pretrained(staging)
+
+
+def publish(staging: Path, destination: Path, overwrite: bool) -> None:
+    """Make `staging` the destination by rename. Replacing: old aside, new in, old removed, so that
+    the destination name always holds one complete export (or, for an instant, none)."""
+    check_destination(destination, overwrite)  # again: another process may have written meanwhile
+    fsync_tree(staging)
+    retired = None
+    if destination.is_dir():
+        if any(destination.iterdir()):
+            retired = destination.with_name(f".{destination.name}.retired-{uuid.uuid4().hex}")
+            os.rename(destination, retired)
+        else:
+            destination.rmdir()
+    try:
+        os.rename(staging, destination)
+    except BaseException:
+        if retired is not None:  # put the earlier export back rather than leave no destination
+            os.rename(retired, destination)
+        raise
+    fsync_dir(destination.parent)
+    if retired is not None:
+        shutil.rmtree(retired)
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def export_checkpoint(
+    checkpoint_dir: str | Path,
+    destination: str | Path,
+    *,
+    dtype: str = "fp32",
+    part: str = "policy",
+    verify: bool = True,
+    overwrite: bool = False,
+    max_shard_size: str | int = "5GB",
+    tokenizer_dir: str | Path | None = None,
+) -> Path:
+    """Export one checkpoint's `part` as a Hugging Face folder at `destination`; returns its path."""
+    from astrai.engine import consolidated_state_dict
+
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype: unknown dtype {dtype!r} (use one of {', '.join(DTYPES)})")
+    checkpoint, destination = Path(checkpoint_dir), Path(destination)
+    check_checkpoint(checkpoint, part, verify)
+    check_destination(destination, overwrite)  # fail before the slow part
+    job = load_checkpoint_job(checkpoint)
+    tokenizer = load_export_tokenizer(job, checkpoint, tokenizer_dir)
+    model = build_skeleton(job, tokenizer)
+    try:
+        state = consolidated_state_dict(checkpoint / part)
+    except (OSError, ValueError, KeyError) as error:
+        raise ExportError(f"cannot read the DeepSpeed weights in {checkpoint / part}: {error}") from None
+    load_weights(model, prepare_state(state, model, DTYPES[dtype]), DTYPES[dtype])
+    set_generation_config(model, tokenizer, job)
+
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_staging(destination)
+    staging = destination.with_name(f".{destination.name}.staging-{uuid.uuid4().hex}")
+    staging.mkdir()
+    try:
+        write_files(model, tokenizer, staging, max_shard_size)
+        publish(staging, destination, overwrite)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("exported %s (%s, %s) to %s", checkpoint, part, dtype, destination)
+    return destination
+
+
+def export_finished_run(job) -> Path:
+    """`export.on_finish`: the run's newest checkpoint to `export.hf_dir`, replacing an earlier export.
+
+    Not re-verified: the publisher hashed these files moments ago, and re-hashing a large
+    checkpoint would add minutes to every run.
+    """
+    from astrai.checkpoint import find_latest
+
+    if job.export.hf_dir is None:
+        raise ExportError("export.on_finish needs export.hf_dir")
+    checkpoint = find_latest(Path(job.output_dir) / "checkpoints")
+    if checkpoint is None:
+        raise ExportError(f"export.on_finish: no checkpoint in {job.output_dir}/checkpoints to export")
+    return export_checkpoint(checkpoint, job.export.hf_dir, dtype=job.export.dtype, verify=False, overwrite=True)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m astrai export-hf", description="Export a checkpoint as a Hugging Face model folder.")
+    parser.add_argument("checkpoint", help="a checkpoint (step_<N>), a checkpoints folder or an output_dir (its newest checkpoint)")
+    parser.add_argument("destination", help="folder to create (must be absent or empty unless --overwrite)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="dtype of the exported weights (default fp32)")
+    parser.add_argument("--part", choices=PARTS, default="policy", help="which model of the checkpoint (default policy)")
+    parser.add_argument("--no-verify", action="store_true", help="skip re-hashing the checkpoint against its manifest")
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty destination (atomically)")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB (default 5GB)")
+    parser.add_argument("--tokenizer-dir", default=None, help="tokenizer folder (default: the run's own)")
+    return parser.parse_args(argv)
+
+
+def export_main(argv: list[str]) -> int:
+    """`python -m astrai export-hf ...`: 0 exported, 1 failed (one line on stderr), 2 bad arguments."""
+    try:
+        args = parse_args(argv)
+    except SystemExit as exit_request:  # argparse exits on bad arguments and --help; return its status
+        return int(exit_request.code or 0)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only: never wait on a download
+    logging.basicConfig(level=logging.INFO, format="astrai export-hf: %(message)s")
+    from astrai.checkpoint import CheckpointError
+
+    try:
+        checkpoint = resolve_checkpoint(args.checkpoint)
+        path = export_checkpoint(
+            checkpoint, args.destination, dtype=args.dtype, part=args.part, verify=not args.no_verify,
+            overwrite=args.overwrite, max_shard_size=args.max_shard_size, tokenizer_dir=args.tokenizer_dir,
+        )
+    except (ExportError, CheckpointError, OSError, ValueError) as error:
+        message = " ".join(str(error).split())  # one line, whatever the wrapped error looked like
+        print(f"astrai export-hf: {message}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
