@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
+import torch
 
 from astrai.config import JobConfig, resolve_template
 from astrai.data.sampler import ShardedOrder
@@ -66,7 +67,7 @@ def total_steps(job: JobConfig, num_samples: int, samples_per_step: int) -> int:
     return max(1, math.ceil(job.train.epochs * num_samples / samples_per_step))
 
 
-def engine_config(job: JobConfig, source: str, *, lr: float, max_grad_norm: float | None, zero_stage: int | None = None) -> dict:
+def engine_config(job: JobConfig, source: str, *, lr: float, max_grad_norm: float | None, world_size: int, zero_stage: int | None = None) -> dict:
     template = resolve_template(job.deepspeed.config, source) if job.deepspeed.config else None
     return build_ds_config(
         job.deepspeed,
@@ -79,6 +80,7 @@ def engine_config(job: JobConfig, source: str, *, lr: float, max_grad_norm: floa
         betas=job.train.adam_betas,
         eps=job.train.adam_eps,
         zero_stage=zero_stage,
+        world_size=world_size,
     )
 
 
@@ -98,15 +100,16 @@ def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
         logger.warning("skipped %d malformed rows (data.on_bad_row: skip)", skipped)
     order = ShardedOrder(len(dataset), job.train.micro_batch_size, dist.world_size, dist.rank, job.train.seed, job.data.shuffle)
     steps = total_steps(job, order.samples_per_epoch, job.train.micro_batch_size * job.train.grad_accum_steps * dist.world_size)
-    ds_config = engine_config(job, source, lr=job.train.lr, max_grad_norm=job.train.max_grad_norm)
+    ds_config = engine_config(job, source, lr=job.train.lr, max_grad_norm=job.train.max_grad_norm, world_size=dist.world_size)
     with zero3_loading(ds_config, job.model.zero3_init and job.model.path is not None):
         model = build_policy(job.model, tokenizer, job.train.seed)
     schedule = lr_lambda(steps, warmup_steps(job, steps), job.train.lr_schedule, job.train.min_lr_ratio)
     policy = make_engine(model, ds_config, weight_decay=job.train.weight_decay, schedule=schedule)
     logger.info(
-        "%s: %d samples, %d steps of %d samples, ZeRO-%d, %s, %.2fM parameters",
+        "%s: %d samples, %d steps of %d samples, ZeRO-%d, %s, %.2fM parameters, %d threads per rank",
         job.train.train_type, len(dataset), steps, job.train.micro_batch_size * job.train.grad_accum_steps * dist.world_size,
         policy.zero_stage, resolve_precision(job.model.dtype), sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()) / 1e6,
+        torch.get_num_threads(),
     )
     run = Run(job, dist, output_dir, tokenizer, strategy, dataset, order, steps, {"policy": policy}, skipped)
     strategy.setup(run)

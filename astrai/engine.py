@@ -61,7 +61,32 @@ def setup_distributed(timeout_s: float) -> DistInfo:
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timedelta(seconds=timeout_s), verbose=False)
     device = torch.device(get_accelerator().device_name(local_rank)) if on_gpu else torch.device("cpu")
+    pin_threads()
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def pin_threads() -> int:
+    """Split this node's cores between its ranks (unless OMP_NUM_THREADS says otherwise): two
+    ranks each using every core oversubscribe the CPU and slow both."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        threads = int(os.environ["OMP_NUM_THREADS"])
+        reason = "OMP_NUM_THREADS"
+    else:
+        local_ranks = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
+        threads = max(1, len(os.sched_getaffinity(0)) // max(1, local_ranks))
+        reason = f"{len(os.sched_getaffinity(0))} cores / {local_ranks} local ranks"
+    torch.set_num_threads(threads)
+    logger.info("intra-op threads per rank: %d (%s)", threads, reason)
+    return threads
+
+
+def effective_zero_stage(requested: int, world_size: int, offloaded: bool, keep: bool) -> int:
+    """ZeRO-1/2 on a single rank partition over one process: all cost, no memory saved. Run
+    stage 0 there unless offload needs ZeRO or the job keeps the stage (`deepspeed.single_rank_stage0: false`)."""
+    if world_size == 1 and requested in (1, 2) and not offloaded and not keep:
+        logger.info("one rank: ZeRO-%d partitions nothing here, running ZeRO-0 (set deepspeed.single_rank_stage0: false to keep it)", requested)
+        return 0
+    return requested
 
 
 def all_reduce_sum(value: float | int, device: torch.device) -> float:
@@ -117,6 +142,7 @@ def build_ds_config(
     betas: tuple[float, float],
     eps: float,
     zero_stage: int | None = None,
+    world_size: int | None = None,
 ) -> dict:
     """Template (if any) <- job settings <- `deepspeed.overrides`. The result is what DeepSpeed sees."""
     config: dict = json.loads(template_path.read_text()) if template_path else {}
@@ -139,6 +165,9 @@ def build_ds_config(
     config["bf16"] = {"enabled": precision == "bf16"}
     config["fp16"] = {"enabled": precision == "fp16", "loss_scale": 0} if precision == "fp16" else {"enabled": False}
     offloaded = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
+    if world_size is not None:
+        any_offload = offloaded or zero.get("offload_param", {}).get("device", "none") not in ("none", None)
+        zero["stage"] = effective_zero_stage(zero["stage"], world_size, any_offload, keep=not section.single_rank_stage0)
     implementation = section.optimizer
     if implementation == "auto":
         implementation = "cpu_adam" if offloaded else ("fused" if torch.cuda.is_available() else "torch")
@@ -260,6 +289,12 @@ def consolidated_state_dict(engine_folder: str | Path) -> dict[str, torch.Tensor
 
     folder = Path(engine_folder)
     tag = DS_TAG if (folder / DS_TAG).is_dir() else None
+    tag_name = tag or ((folder / "latest").read_text().strip() if (folder / "latest").is_file() else None)
+    shards = folder / tag_name if tag_name else folder
+    if not list(shards.glob("*optim_states.pt")) and (shards / "mp_rank_00_model_states.pt").is_file():
+        # ZeRO-0 keeps the whole module in one file; there are no partitions to merge.
+        states = torch.load(shards / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+        return {name: tensor.float() for name, tensor in states["module"].items()}
     return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag)
 
 

@@ -107,6 +107,9 @@ class DeepSpeedSection(Section):
     optimizer: Literal["auto", "torch", "fused", "cpu_adam"] = Field(
         "auto", description="AdamW implementation: `auto` = fused on CUDA, torch on CPU, DeepSpeedCPUAdam with optimizer offload."
     )
+    single_rank_stage0: bool = Field(
+        True, description="On one rank, run ZeRO-1/2 (without offload) as ZeRO-0: they partition nothing there and only cost time."
+    )
     overrides: dict[str, Any] = Field(default_factory=dict, description="Raw DeepSpeed config keys merged last (deep merge).")
 
 

@@ -60,3 +60,30 @@ def test_lr_schedule_warmup_then_cosine():
     linear = lr_lambda(total_steps=6, warmup_steps=0, schedule="linear", min_lr_ratio=0.0)
     assert [round(linear(k), 4) for k in range(6)] == [0.8333, 0.6667, 0.5, 0.3333, 0.1667, 0.0]
     assert lr_lambda(5, 0, "constant", 0.0)(3) == 1.0
+
+
+def test_one_rank_runs_zero1_and_2_as_zero0_unless_kept_or_offloaded():
+    assert build(DeepSpeedSection(zero_stage=2), world_size=1)["zero_optimization"]["stage"] == 0
+    assert build(DeepSpeedSection(zero_stage=1), world_size=1)["zero_optimization"]["stage"] == 0
+    assert build(DeepSpeedSection(zero_stage=2), world_size=2)["zero_optimization"]["stage"] == 2
+    assert build(DeepSpeedSection(zero_stage=3), world_size=1)["zero_optimization"]["stage"] == 3
+    assert build(DeepSpeedSection(zero_stage=2, single_rank_stage0=False), world_size=1)["zero_optimization"]["stage"] == 2
+    assert build(DeepSpeedSection(zero_stage=2, offload_optimizer="cpu"), world_size=1)["zero_optimization"]["stage"] == 2
+
+
+def test_threads_are_split_between_local_ranks(monkeypatch):
+    import os
+
+    import torch
+
+    from astrai.engine import pin_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.setenv("LOCAL_SIZE", "2")
+        assert pin_threads() == max(1, len(os.sched_getaffinity(0)) // 2) == torch.get_num_threads()
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert pin_threads() == 1 == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
