@@ -1,0 +1,35 @@
+"""The README's main job, launched as a user would: `deepspeed astrai/train.py --config configs/quickstart.yaml`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from astrai.checkpoint import verify_checkpoint
+from tests.conftest import REPO, child_env, deepspeed_launcher
+
+pytestmark = pytest.mark.slow
+
+
+def test_quickstart_job_runs_through_the_real_launcher(tmp_path):
+    output = tmp_path / "quickstart"
+    command = deepspeed_launcher() + [
+        "astrai/train.py", "--config", "configs/quickstart.yaml",
+        "--set", "train.max_steps=40", "--set", f"output_dir={output}", "--set", f"export.hf_dir={output / 'hf'}",
+        "--set", "checkpoint.every_steps=20",
+    ]
+    result = subprocess.run(command, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 41))
+    for field in ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"):
+        assert all(field in r for r in records), field
+    assert sum(r["loss"] for r in records[-5:]) / 5 < 0.6 * records[0]["loss"]  # learned something visible
+    assert (output / "job.yaml").is_file() and (output / "tokenizer" / "tokenizer.json").is_file()
+    published = sorted(p.name for p in (output / "checkpoints").iterdir())
+    assert published == ["step_00000020", "step_00000040"]
+    assert verify_checkpoint(output / "checkpoints" / "step_00000040").step == 40
+    assert (output / "hf" / "model.safetensors").is_file() and (output / "hf" / "config.json").is_file()
+    assert "[rank0]" in result.stdout + result.stderr  # logs carry the rank
