@@ -4,6 +4,7 @@
   export-hf <checkpoint> <dest>  write a checkpoint as a Hugging Face model folder (docs/guides/export.md)
   plot <output_dir> [-o png]     draw every metric of metrics.jsonl against the step
   config-docs                    print the job config reference (docs/guides/config.md)
+  launch --config <job.yaml>     start a job on the nodes of its hostfile (docs/guides/distributed.md)
 """
 
 from __future__ import annotations
@@ -47,7 +48,13 @@ def _export_hf(argv: list[str]) -> int:
     return export_main(argv)
 
 
-TOOLS = {"plot": _plot, "verify": _verify, "export-hf": _export_hf, "config-docs": _config_docs}
+def _launch(argv: list[str]) -> int:
+    from astrai.launch import launch_main
+
+    return launch_main(argv)
+
+
+TOOLS = {"plot": _plot, "verify": _verify, "export-hf": _export_hf, "config-docs": _config_docs, "launch": _launch}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -103,7 +103,9 @@ def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
     ds_config = engine_config(job, source, lr=job.train.lr, max_grad_norm=job.train.max_grad_norm, world_size=dist.world_size)
     with zero3_loading(ds_config, job.model.zero3_init and job.model.path is not None):
         model = build_policy(job.model, tokenizer, job.train.seed)
-    schedule = lr_lambda(steps, warmup_steps(job, steps), job.train.lr_schedule, job.train.min_lr_ratio)
+    # DeepSpeed steps the schedule once per optimizer update; an online step (one rollout) makes several.
+    updates = strategy.optimizer_steps_per_step(dist.world_size)
+    schedule = lr_lambda(steps * updates, warmup_steps(job, steps) * updates, job.train.lr_schedule, job.train.min_lr_ratio)
     policy = make_engine(model, ds_config, weight_decay=job.train.weight_decay, schedule=schedule)
     logger.info(
         "%s: %d samples, %d steps of %d samples, ZeRO-%d, %s, %.2fM parameters, %d threads per rank",

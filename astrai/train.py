@@ -38,9 +38,15 @@ def load_and_check(config_path: str, overrides: list[str]):
 
     job = load_job(config_path, overrides)
     try:
-        strategy_class(job.train.train_type)
+        strategy = strategy_class(job.train.train_type)
     except KeyError as error:
         raise ConfigError(f"{config_path}: {error.args[0]}") from None
+    # The launcher exports WORLD_SIZE before it starts the ranks, so batch splits are checked here too.
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        strategy.check_job(job, world_size)
+    except ConfigError as error:
+        raise ConfigError(f"{config_path}: {error}") from None
     return job
 
 
@@ -69,10 +75,14 @@ def main(argv: list[str] | None = None) -> int:
     from astrai.export import ExportError
     from astrai.models.policy import ModelError
     from astrai.models.tokenizer import TokenizerError
+    from astrai.rollout.rewards import RewardError
+    from astrai.preflight import PreflightError, preflight_check, prepare_rank_environment, write_rank_report
     from astrai.trainer import TRAIN_LOOPS
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub at run time: fail fast, never hang on a download
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    prepare_rank_environment()  # ranks started by mpirun/srun get torch's RANK, WORLD_SIZE, LOCAL_RANK
+    write_rank_report(job)  # written before the rendezvous, so it exists even if that hangs
     dist = setup_distributed(job.runtime.dist_timeout_s)
     set_log_format(dist.rank, os.environ.get("ASTR_LOG_LEVEL") or job.runtime.log_level)
     try:
@@ -80,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         output_dir.mkdir(parents=True, exist_ok=True)
         if dist.is_main:
             (output_dir / "job.yaml").write_text(dump_job(job))
+        # One gather of every rank's facts: mismatched versions or missing GPUs stop all ranks together.
+        preflight_check(job, dist, write_rank_report(job, dist))
         run = build_run(job, dist, args.config)
         state = TRAIN_LOOPS[run.strategy.loop](run)
         if job.export.on_finish and dist.is_main:
@@ -88,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
             logger.info("exported the final policy to %s", export_finished_run(job))
         logger.info("done: %d steps, outputs in %s", state.step, output_dir)
         return 0
-    except (DataError, ModelError, TokenizerError, CheckpointError, ExportError) as error:
+    except ConfigError as error:  # found only once the ranks are known (e.g. a batch that does not split over them)
+        logger.error("%s: %s", args.config, error)
+        return 2
+    except (DataError, ModelError, TokenizerError, CheckpointError, ExportError, PreflightError, RewardError) as error:
         logger.error("%s", error, exc_info=bool(os.environ.get("ASTR_DEBUG")))
         return 1
     finally:

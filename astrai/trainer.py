@@ -2,6 +2,10 @@
 
 `train_offline` serves `seq`, `sft` and `dpo`: batches -> strategy loss -> engine backward/step ->
 metrics -> publish a checkpoint every N steps and at the end. Steps count optimizer updates from 1.
+
+`train_online` serves `grpo` (and later `online_ppo`): prompts -> rollout -> frozen targets ->
+replay epochs over minibatches -> engine steps -> metrics -> checkpoint. A step is one rollout;
+`policy_version` counts the optimizer updates (rl.epochs_per_rollout x minibatches per step).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from astrai.build import Run
 from astrai.checkpointing import TrainingCheckpoints, TrainerState
 from astrai.engine import all_reduce_sum
 from astrai.metrics import MetricsLog
+from astrai.rollout import rollout_metrics
 
 logger = logging.getLogger("astrai.trainer")
 
@@ -86,4 +91,69 @@ def train_offline(run: Run) -> TrainerState:
     return state
 
 
-TRAIN_LOOPS = {"offline": train_offline}
+def _online_record(totals: dict[str, float]) -> dict[str, float]:
+    """Global sums -> metrics: `loss` per loss unit (`weight`: tokens or responses), every other
+    training sum (kl, clip_frac, entropy) per response token, plus the rollout's own metrics."""
+    training = {key: value for key, value in totals.items() if not key.startswith("rollout/")}
+    weight, tokens = max(training.pop("weight", 1.0), 1.0), max(training.pop("tokens", 1.0), 1.0)
+    record = {"loss": training.pop("loss", 0.0) / weight, **{key: value / tokens for key, value in training.items()}}
+    record.update(rollout_metrics(totals))
+    return record
+
+
+def train_online(run: Run) -> TrainerState:
+    job, strategy, policy = run.job, run.strategy, run.engines["policy"]
+    accumulation, world, device = job.train.grad_accum_steps, run.dist.world_size, run.dist.device
+    checkpoints = TrainingCheckpoints(run)
+    state = checkpoints.resume()  # restores the policy, the policy version and the prompt position
+    metrics = MetricsLog(
+        run.output_dir, is_main=run.dist.is_main, total_steps=run.total_steps, start_step=state.step,
+        tensorboard=job.runtime.tensorboard, progress_bar=job.runtime.progress_bar,
+    )
+    prompt_batches = strategy.prompt_batches(state.consumed_samples)
+    run_started = time.perf_counter() - state.elapsed_s
+    policy.train()
+    try:
+        for step in range(state.step + 1, run.total_steps + 1):
+            # 1. Rollout: group_size responses to each of this rank's prompts, from the current weights.
+            rollout_started = time.perf_counter()
+            rollout = strategy.rollout(policy, next(prompt_batches), step=step, policy_version=state.policy_version)
+            # 2. Frozen targets: rewards, reference log-probs, advantages; fixed for every epoch below.
+            targets = strategy.frozen_targets(rollout)
+            rollout_seconds = time.perf_counter() - rollout_started
+            # 3. Replay: each minibatch is one optimizer step of `accumulation` micro-batches per rank.
+            train_started = time.perf_counter()
+            lr, sums = policy.lr, defaultdict(float)
+            for epoch in range(job.rl.epochs_per_rollout):
+                for micro_batches in strategy.minibatches(targets, step=step, epoch=epoch):
+                    # As offline: one divisor for every micro-batch and rank of the optimizer step, so the
+                    # update is the mean over the minibatch's loss units whatever the split.
+                    loss_weight = all_reduce_sum(sum(strategy.loss_weight(batch) for batch in micro_batches), device)
+                    normalizer = max(loss_weight, 1.0) / (world * accumulation)
+                    for batch in micro_batches:
+                        output = strategy.compute_loss(policy, batch, normalizer)
+                        policy.backward(output.loss)
+                        policy.step()
+                        for key, value in output.sums.items():
+                            sums[key] += value
+                    state.policy_version += 1
+            train_seconds = time.perf_counter() - train_started
+            # 4. Metrics and checkpoint.
+            state.step = step
+            state.consumed_samples += job.rollout.prompts_per_step  # prompts, across all ranks
+            state.epoch = strategy.prompt_epoch(state.consumed_samples)
+            state.elapsed_s = time.perf_counter() - run_started
+            record = _online_record(_global_sums({**sums, **rollout.metric_sums()}, device))
+            record.update(lr=lr, grad_norm=policy.grad_norm, rollout_s=rollout_seconds, train_s=train_seconds,
+                          policy_version=state.policy_version, elapsed_s=state.elapsed_s, epoch=state.epoch, samples=state.consumed_samples)
+            if step % job.train.log_every_steps == 0 or step == run.total_steps:
+                metrics.log(step, record)
+            metrics.advance()
+            if checkpoints.due(step, run.total_steps):
+                checkpoints.save(state, metrics)
+    finally:
+        metrics.close()
+    return state
+
+
+TRAIN_LOOPS = {"offline": train_offline, "online": train_online}

@@ -108,14 +108,23 @@ def _describe(error: ValidationError, text: str, source: str, overrides: list[st
     return "invalid job config:\n  " + "\n  ".join(lines)
 
 
+def _missing_folder_hint(value: str) -> str:
+    """What a missing model folder most likely is: a hub name, or another job's export not made yet."""
+    parts = Path(value).parts
+    if len(parts) == 2 and not value.startswith((".", "/")) and not Path(parts[0]).exists():
+        return " (hub names cannot be downloaded here: give a local folder)"
+    if parts and parts[-1] == "hf":
+        return " (the Hugging Face export of another job: run that job first; configs/quickstart.yaml writes runs/quickstart/hf)"
+    return ""
+
+
 def _check_paths(job: JobConfig, source: str) -> None:
     """Fail before any rank works when a local file the job names is not there."""
     if not glob.glob(job.data.path) and not Path(job.data.path).exists():
         raise ConfigError(f"{source}: data.path: no file matches {job.data.path!r}")
     for key, value in (("model.path", job.model.path), ("model.reference_path", job.model.reference_path), ("tokenizer.path", job.tokenizer.path)):
         if value is not None and not Path(value).is_dir():
-            hint = " (hub names cannot be downloaded here: give a local folder)" if "/" in value and not value.startswith((".", "/")) else ""
-            raise ConfigError(f"{source}: {key}: local folder {value!r} does not exist{hint}")
+            raise ConfigError(f"{source}: {key}: local folder {value!r} does not exist{_missing_folder_hint(value)}")
     if job.deepspeed.config is not None and resolve_template(job.deepspeed.config, source) is None:
         raise ConfigError(f"{source}: deepspeed.config: template {job.deepspeed.config!r} not found")
 

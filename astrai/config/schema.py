@@ -81,7 +81,7 @@ class TrainConfig(Section):
     lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate as a fraction of `lr`.")
     lr_schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
-    warmup_steps: int | None = Field(None, ge=0, description="Linear warmup steps (exclusive with `warmup_ratio`).")
+    warmup_steps: int | None = Field(None, ge=0, description="Linear warmup steps (exclusive with `warmup_ratio`). Online types count steps in rollouts, as `max_steps`.")
     warmup_ratio: float | None = Field(None, ge=0, le=1, description="Warmup as a fraction of the total steps.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (not applied to biases and norms).")
     adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
@@ -193,6 +193,62 @@ class DpoConfig(Section):
     )
 
 
+class RolloutConfig(Section):
+    prompts_per_step: int = Field(8, ge=1, description="Prompts per step across all ranks (a multiple of the number of ranks); each step samples prompts_per_step x group_size responses.")
+    group_size: int = Field(8, ge=1, description="Responses sampled per prompt; `grpo` scores each against the others of its group (>= 2).")
+    max_new_tokens: int = Field(64, ge=1, description="Longest response in tokens; a response that reaches it without EOS is cut there (metric `truncated_frac`).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature; the loss's log-probs use the same temperature, so ratios compare like with like.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling (1: off). Below 1 the ratio ignores the truncation: a small bias.")
+    top_k: int = Field(0, ge=0, description="Sample among the k likeliest tokens only (0: off). Same caveat as `top_p`.")
+
+
+class RlConfig(Section):
+    epochs_per_rollout: int = Field(1, ge=1, description="Passes over each rollout; targets (rewards, advantages, behaviour and reference log-probs) stay fixed across them.")
+    minibatch_size: int | None = Field(
+        None, ge=1, description="Sequences per optimizer step across all ranks; must equal train.micro_batch_size x train.grad_accum_steps x ranks (null: that product)."
+    )
+    clip_eps_low: float = Field(0.2, gt=0, lt=1, description="PPO clip: the ratio's lower bound is 1 - clip_eps_low.")
+    clip_eps_high: float | None = Field(None, gt=0, description="The ratio's upper bound is 1 + clip_eps_high (DAPO's clip-higher uses 0.28; null: clip_eps_low).")
+    kl_coef: float = Field(0.04, ge=0, description="Weight of the k3 KL to the reference model in the loss (GRPO paper: 0.04); 0 skips the reference model entirely.")
+    kl_max_log_ratio: float | None = Field(10.0, gt=0, description="Clamp |log pi - log pi_ref| here before k3 (whose exp overflows past ~88); null: no clamp.")
+    normalize_advantage_std: bool = Field(
+        True, description="Advantages (r - group mean) / (group std + 1e-6) as in GRPO; false: r - group mean only (Dr. GRPO)."
+    )
+    loss_aggregation: Literal["token_mean", "sequence_mean"] = Field(
+        "token_mean", description="`token_mean`: every response token of the optimizer step weighs the same; `sequence_mean`: every response does (GRPO paper)."
+    )
+
+
+class RewardComponent(Section):
+    function: str | None = Field(None, description="A Python callable 'package.module:function' returning one float per response (arguments: docs/guides/rl.md).")
+    model_path: str | None = Field(None, description="Local AutoModelForSequenceClassification folder (one output) scoring prompt + response.")
+    url: str | None = Field(None, description="HTTP service: POST JSON prompts/responses/rows, answer {\"rewards\": [...]}.")
+    name: str | None = Field(None, description="Name in errors and metrics (default: the function's name, the model folder's name or the URL).")
+    weight: float = Field(1.0, description="Multiplier of this reward in the weighted sum.")
+    timeout_s: float = Field(30.0, gt=0, description="`url`: seconds to wait for one answer.")
+    retries: int = Field(2, ge=0, description="`url`: further attempts after a failed one (connection error, timeout, HTTP 408/429/5xx).")
+    retry_backoff_s: float = Field(1.0, ge=0, description="`url`: wait before the first retry, doubled before each next one.")
+    batch_size: int = Field(8, ge=1, description="`model_path`: responses per reward-model forward.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "RewardComponent":
+        if sum(value is not None for value in (self.function, self.model_path, self.url)) != 1:
+            raise ValueError("give exactly one of `function`, `model_path` or `url`")
+        return self
+
+
+class RewardConfig(RewardComponent):
+    """The reward of the online train types: one source, or `components` summed with their weights."""
+
+    components: list[RewardComponent] | None = Field(None, description="Several rewards, each {function | model_path | url, weight, ...}; the reward is their weighted sum.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "RewardConfig":
+        if sum(value is not None for value in (self.function, self.model_path, self.url, self.components)) != 1:
+            raise ValueError("give exactly one of `reward.function`, `reward.model_path`, `reward.url` or `reward.components`")
+        return self
+
+
 class JobConfig(Section):
     output_dir: str = Field(..., description="Everything the run writes: checkpoints, metrics.jsonl, job.yaml, tokenizer, caches.")
     model: ModelConfig = Field(..., description="The policy: a local transformers causal LM or an architecture block.")
@@ -206,6 +262,21 @@ class JobConfig(Section):
     export: ExportConfig = Field(default_factory=ExportConfig, description="Hugging Face export of the final policy.")
     dpo: DpoConfig = Field(default_factory=DpoConfig, description="Preference optimisation (`train_type: dpo`).")
     serve: ServeConfig = Field(default_factory=ServeConfig, description="Serving an export with an OpenAI-compatible engine (`scripts/serve.sh`).")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Sampling of the online train types (`grpo`, `online_ppo`): prompts per step, group size, sampler.")
+    rl: RlConfig = Field(default_factory=RlConfig, description="Policy optimisation of the online train types: replay epochs, minibatches, clipping, KL, advantages.")
+    reward: RewardConfig | None = Field(None, description="Reward of the online train types: a function, a reward model, an HTTP service, or weighted components.")
+
+    @model_validator(mode="after")
+    def _online_sections(self) -> "JobConfig":
+        if self.train.train_type not in ("grpo", "online_ppo"):
+            return self
+        if self.reward is None:
+            raise ValueError(f"`train.train_type: {self.train.train_type}` needs a `reward` section (function, model_path, url or components)")
+        if self.train.max_steps is None:
+            raise ValueError("online train types count steps in rollouts: give `train.max_steps` (not `train.epochs`)")
+        if self.train.train_type == "grpo" and self.rollout.group_size < 2:
+            raise ValueError("grpo compares each response with the others of its group: `rollout.group_size` must be >= 2")
+        return self
 
     @model_validator(mode="after")
     def _tokenizer_source(self) -> "JobConfig":

@@ -30,6 +30,14 @@ class Strategy:
         """Raw rows -> (tokenised datasets.Dataset, number of malformed rows skipped)."""
         raise NotImplementedError
 
+    @classmethod
+    def check_job(cls, job, world_size: int) -> None:
+        """Raise ConfigError for what only this train type rejects, given the world size (before any rank works)."""
+
+    def optimizer_steps_per_step(self, world_size: int) -> int:
+        """Optimizer updates in one trainer step; the LR schedule spans max_steps x this many."""
+        return 1
+
     def setup(self, run) -> None:
         """Build what the strategy holds besides the trainable engines (e.g. a frozen reference)."""
 

@@ -27,7 +27,8 @@ def main() -> int:
     plan = json.loads(open(args.plan).read())
 
     from astrai.build import build_run
-    from astrai.engine import set_log_format, setup_distributed, shutdown_distributed
+    from astrai.engine import barrier, set_log_format, setup_distributed, shutdown_distributed
+    from astrai.export import export_finished_run
     from astrai.trainer import TRAIN_LOOPS
     from astrai.train import load_and_check
 
@@ -35,15 +36,18 @@ def main() -> int:
     set_log_format(dist.rank, "WARNING")
     results = {}
     for entry in plan["runs"]:
-        job = load_and_check(entry["config"], entry.get("set", []))
         try:
+            job = load_and_check(entry["config"], entry.get("set", []))  # WORLD_SIZE is set: batch splits are checked
             run = build_run(job, dist, entry["config"])
             state = TRAIN_LOOPS[run.strategy.loop](run)
+            if job.export.on_finish and dist.is_main:  # as astrai/train.py does, so a later job can load it
+                export_finished_run(job)
             results[entry["name"]] = {"ok": True, "error": None, "step": state.step}
         except Exception as error:  # recorded for the test to judge; an unexpected one fails it there
             results[entry["name"]] = {"ok": False, "error": f"{type(error).__name__}: {error}", "step": None}
             if "expect_error" not in entry:
                 traceback.print_exc()
+        barrier()  # rank 0's export (above) is complete before any rank starts the next job
         run = None
         gc.collect()
     if dist.is_main:

@@ -1,0 +1,15 @@
+"""Rollouts for the online train types: prompts, generation with behaviour log-probs, rewards.
+
+`sequences` is the one home of the prompt + response layout and its log-probs; `generation` samples
+and returns a `RolloutResult`; `rewards` turns responses into floats. `grpo` and `online_ppo` both
+call these; nothing here knows which train type is running.
+"""
+
+from astrai.rollout.generation import RolloutResult, generate_rollout, rollout_metrics, sampling_seed
+from astrai.rollout.rewards import RewardError, RewardScores, build_reward, reward_inputs
+from astrai.rollout.sequences import join_sequences, left_pad, response_logits, response_logprobs, response_mask
+
+__all__ = [
+    "RewardError", "RewardScores", "RolloutResult", "build_reward", "generate_rollout", "join_sequences", "left_pad",
+    "response_logits", "response_logprobs", "response_mask", "reward_inputs", "rollout_metrics", "sampling_seed",
+]

@@ -1,0 +1,186 @@
+"""Rollouts: `group_size` sampled responses per prompt from the policy's current weights.
+
+Generation is transformers' `generate` (KV cache, stop at EOS) on the engine's module, with every
+sampling knob set explicitly so that a model's own `generation_config.json` (a repetition penalty,
+a default top_k) cannot change what is sampled.
+
+Behaviour log-probs, and how sampling-vs-training mismatch is handled: the log-probs the importance
+ratios divide by are NOT the ones the sampler saw. After sampling, the policy engine's own forward
+(the very call the loss makes, same weights, same precision, no KV cache) recomputes them. So at the
+first minibatch the ratio is exactly 1 wherever that forward is deterministic, and the kernel
+differences between cached generation and a full forward (about 1e-6 in fp32, 1e-2 in bf16) never
+enter the loss. What remains is the sampler's truncation: with top_p < 1 or top_k > 0 the tokens come
+from a truncated distribution while the ratio uses the full (temperature-scaled) one, a small bias
+shared by TRL, OpenRLHF and verl; the defaults (top_p 1, top_k 0) have none.
+
+ZeRO-3: generation runs inside `Engine.gathered_parameters()`, one gather of a full copy of the
+weights per rollout (not one per module per token), and with `synced_gpus` so that a rank whose
+responses all ended keeps stepping while others generate (every ZeRO-3 forward is a collective).
+DeepSpeed's own ZeRO-3 module hooks stay installed; see docs/guides/rl.md for what that costs.
+
+Sampling randomness: each rollout draws from its own seed, `sampling_seed(seed, step, rank)`, in a
+forked RNG, so a resumed run samples the same responses as an uninterrupted one (same world size).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from astrai.rollout.sequences import join_sequences, left_pad, response_logprobs, response_mask, truncated_rows
+
+SEED_MODULUS = 2**63 - 1
+
+
+def sampling_seed(seed: int, step: int, rank: int, stream: int = 0) -> int:
+    """A distinct, deterministic seed per (train.seed, step, rank, stream); stream 0 samples, others shuffle."""
+    value = seed
+    for part in (step, rank, stream):
+        value = (value * 1_000_003 + part) % SEED_MODULUS
+    return value
+
+
+@dataclass
+class RolloutResult:
+    """One rank's rollout of a step: N = prompts x group_size sequences, each group contiguous
+    ([p0 r0, p0 r1, ..., p1 r0, ...]), in the layout of `sequences.py`. Tensors live on the device."""
+
+    prompt_ids: torch.Tensor  # [N, P] left-padded
+    prompt_mask: torch.Tensor  # [N, P]
+    response_ids: torch.Tensor  # [N, R] right-padded
+    response_mask: torch.Tensor  # [N, R], 1 up to and including the first EOS
+    behaviour_logprobs: torch.Tensor  # [N, R] float32, policy engine forward at sampling time, 0 on padding
+    truncated: torch.Tensor  # [N] bool, no EOS within max_new_tokens
+    prompt_texts: list[str]  # the rendered prompt (chat template applied) of each sequence
+    response_texts: list[str]  # the response without special tokens
+    messages: list[list[dict]]  # the prompt's chat messages of each sequence
+    rows: list[dict]  # the data row of each sequence's prompt (every field, e.g. `answer`)
+    group_size: int
+    policy_version: int  # optimizer updates the sampling weights had received
+    rewards: torch.Tensor | None = None  # [N] float32, set by the reward stage
+    reward_components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [N], unweighted
+
+    @property
+    def size(self) -> int:
+        return self.response_ids.shape[0]
+
+    def training_tensors(self) -> dict[str, torch.Tensor]:
+        """input_ids, attention_mask, position_ids [N, P + R]; response_ids, response_mask,
+        behaviour_logprobs [N, R]: what every online loss reads."""
+        tensors = join_sequences(self.prompt_ids, self.prompt_mask, self.response_ids, self.response_mask)
+        tensors["behaviour_logprobs"] = self.behaviour_logprobs
+        return tensors
+
+    def metric_sums(self) -> dict[str, float]:
+        """Sums that, added over ranks, give the step's rollout metrics (see `rollout_metrics`)."""
+        sums = {
+            "rollout/responses": float(self.size),
+            "rollout/response_tokens": float(self.response_mask.sum()),
+            "rollout/truncated": float(self.truncated.sum()),
+        }
+        if self.rewards is not None:
+            rewards = self.rewards.double()
+            sums.update({"rollout/reward": float(rewards.sum()), "rollout/reward_squared": float((rewards**2).sum())})
+            for name, values in self.reward_components.items():
+                sums[f"rollout/reward_{name}"] = float(values.double().sum())
+        return sums
+
+
+def rollout_metrics(totals: dict[str, float]) -> dict[str, float]:
+    """Global sums of `RolloutResult.metric_sums` -> reward_mean, reward_std (population, over all
+    responses of the step), reward_<component> means, response_len_mean (tokens, EOS included),
+    truncated_frac."""
+    count = max(totals["rollout/responses"], 1.0)
+    record = {
+        "response_len_mean": totals["rollout/response_tokens"] / count,
+        "truncated_frac": totals["rollout/truncated"] / count,
+    }
+    if "rollout/reward" in totals:
+        mean = totals["rollout/reward"] / count
+        record["reward_mean"] = mean
+        record["reward_std"] = max(totals["rollout/reward_squared"] / count - mean**2, 0.0) ** 0.5
+    for key, value in totals.items():
+        if key.startswith("rollout/reward_") and key != "rollout/reward_squared":
+            record[key.removeprefix("rollout/")] = value / count
+    return record
+
+
+@contextlib.contextmanager
+def forked_rng(seed: int, device: torch.device):
+    """Seed torch for the block only; the global RNG continues afterwards as if untouched."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
+def sampling_config(settings, tokenizer):
+    """A GenerationConfig with every sampling knob set (nothing inherited from the model's defaults)."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        do_sample=True, num_beams=1, temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
+        min_p=0.0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0, encoder_repetition_penalty=1.0,
+        no_repeat_ngram_size=0, min_new_tokens=0, max_new_tokens=settings.max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, use_cache=True,
+    )
+
+
+@torch.no_grad()
+def sample_responses(engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings, tokenizer) -> torch.Tensor:
+    """Sampled continuation ids [N, R] (R <= max_new_tokens; finished rows padded with the pad id)."""
+    model = engine.module
+    synced = engine.zero_stage == 3 and dist.is_initialized() and dist.get_world_size() > 1
+    was_training = model.training
+    model.eval()  # no dropout while sampling; the behaviour log-probs come from the training forward anyway
+    try:
+        with engine.gathered_parameters():
+            output = model.generate(
+                input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=sampling_config(settings, tokenizer), synced_gpus=synced
+            )
+    finally:
+        model.train(was_training)
+    return output[:, prompt_ids.shape[1] :]
+
+
+def generate_rollout(
+    engine,
+    tokenizer,
+    prompt_ids: Sequence[Sequence[int]],
+    messages: Sequence[list[dict]],
+    rows: Sequence[dict],
+    settings,
+    *,
+    seed: int,
+    policy_version: int,
+    logprob_batch_size: int,
+) -> RolloutResult:
+    """Sample `settings.group_size` responses to each prompt and recompute their behaviour log-probs.
+
+    engine: the policy `Engine` (or anything with `.module`, `.zero_stage`, `.gathered_parameters()`
+    and a forward); prompt_ids: this rank's prompts as token lists (chat template applied);
+    messages, rows: per prompt, handed on to the rewards. settings: the `rollout:` config section.
+    Every rank must call this with the same number of prompts under ZeRO-3.
+    """
+    group = settings.group_size
+    device = engine.device
+    repeated = [list(ids) for ids in prompt_ids for _ in range(group)]
+    prompts, prompt_mask = (tensor.to(device) for tensor in left_pad(repeated, tokenizer.pad_token_id))
+    with forked_rng(seed, device):
+        response_ids = sample_responses(engine, prompts, prompt_mask, settings, tokenizer)
+    mask = response_mask(response_ids, tokenizer.eos_token_id)
+    sequences = join_sequences(prompts, prompt_mask, response_ids, mask)
+    behaviour = response_logprobs(engine, sequences, temperature=settings.temperature, batch_size=logprob_batch_size)
+    prompt_texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
+    response_texts = [tokenizer.decode(ids[keep.bool()].tolist(), skip_special_tokens=True) for ids, keep in zip(response_ids, mask)]
+    return RolloutResult(
+        prompt_ids=prompts, prompt_mask=prompt_mask, response_ids=response_ids, response_mask=mask,
+        behaviour_logprobs=behaviour, truncated=truncated_rows(response_ids, tokenizer.eos_token_id),
+        prompt_texts=[text for text in prompt_texts for _ in range(group)], response_texts=response_texts,
+        messages=[list(chat) for chat in messages for _ in range(group)], rows=[dict(row) for row in rows for _ in range(group)],
+        group_size=group, policy_version=policy_version,
+    )

@@ -1,0 +1,89 @@
+"""`grpo`: Group Relative Policy Optimisation (Shao et al. 2024, DeepSeekMath), token-level and clipped.
+
+For the G responses o_1..o_G to one prompt, with rewards r_i:
+
+    A_i    = (r_i - mean(r)) / (std(r) + 1e-6)          (rl.normalize_advantage_std: false -> r_i - mean(r))
+    ratio  = pi(o_i,t) / pi_old(o_i,t)                  (pi_old: the behaviour log-probs, frozen at rollout)
+    loss_t = max(-A_i ratio, -A_i clip(ratio, 1 - eps_low, 1 + eps_high)) + kl_coef * k3(pi, pi_ref)_t
+
+Departures from the paper, and defaults:
+- Aggregation `token_mean` by default: the loss is summed over every response token of the optimizer
+  step (all ranks, all micro-batches) and divided by their count once, as Dr. GRPO and DAPO argue:
+  the paper's per-response mean gives each token of a long response less weight, which favours long
+  wrong answers and short right ones. `sequence_mean` restores the paper's weighting.
+- `clip_eps_high` (DAPO's clip-higher) may widen the upper bound; it defaults to `clip_eps_low`.
+- The reference is evaluated once per rollout and frozen with the other targets; with kl_coef = 0 it
+  is not built at all (no memory, no forward) and the `kl` metric is not logged.
+- Log-probs are of the temperature-scaled policy (the distribution the tokens were drawn from).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from astrai.algos.advantages import grpo_advantages
+from astrai.algos.kl import kl_k3
+from astrai.algos.masked import masked_aggregate, masked_sum
+from astrai.algos.ppo import broadcast_sequence_advantages, entropy_from_logits, ppo_policy_loss
+from astrai.rollout import RolloutResult, response_logits, response_logprobs
+from astrai.rollout.sequences import masked_token_logprobs
+from astrai.strategies.base import StepOutput, register
+from astrai.strategies.online import OnlineStrategy
+
+
+@register
+class GrpoStrategy(OnlineStrategy):
+    name = "grpo"
+
+    def setup(self, run) -> None:
+        super().setup(run)
+        if self.job.rl.kl_coef > 0:
+            self.build_reference(run)
+
+    def frozen_targets(self, rollout: RolloutResult) -> dict[str, torch.Tensor]:
+        """Rewards, advantages [N] and reference log-probs [N, R], plus the rollout's sequences and
+        behaviour log-probs: everything the loss reads, fixed for all replay epochs of the step."""
+        self.score(rollout)
+        targets = rollout.training_tensors()
+        targets["advantages"] = grpo_advantages(rollout.rewards, rollout.group_size, normalize_std=self.job.rl.normalize_advantage_std)
+        if self.reference is not None:
+            targets["reference_logprobs"] = response_logprobs(
+                self.reference, targets, temperature=self.job.rollout.temperature, batch_size=self.geometry.micro_batch_size
+            )
+        return targets
+
+    def loss_weight(self, batch: dict) -> int:
+        """Loss units of the micro-batch: response tokens (token_mean) or responses (sequence_mean)."""
+        if self.job.rl.loss_aggregation == "token_mean":
+            return int(batch["response_mask"].sum())
+        return batch["response_mask"].shape[0]
+
+    def _aggregate(self, per_token: torch.Tensor, mask: torch.Tensor, normalizer: float) -> torch.Tensor:
+        """Sum of this micro-batch's unit losses / normalizer (see `loss_weight`)."""
+        if self.job.rl.loss_aggregation == "token_mean":
+            return masked_aggregate(per_token, mask, "global", normalizer)
+        return masked_aggregate(per_token, mask, "sequence_mean") * mask.shape[0] / normalizer
+
+    def compute_loss(self, policy, batch: dict, normalizer: float) -> StepOutput:
+        """Clipped surrogate + kl_coef * k3, over response tokens [B, R]; `normalizer` = the optimizer
+        step's global loss units / (ranks x accumulation), so DeepSpeed's averaging yields their mean."""
+        settings, mask = self.job.rl, batch["response_mask"]
+        logits = response_logits(policy, batch, self.job.rollout.temperature)  # [B, R, vocab]
+        logprobs = masked_token_logprobs(logits, batch["response_ids"], mask)
+        token_advantages = broadcast_sequence_advantages(batch["advantages"], mask)
+        token_mean = settings.loss_aggregation == "token_mean"
+        policy_loss = ppo_policy_loss(
+            logprobs, batch["behaviour_logprobs"], token_advantages, mask, clip_eps=settings.clip_eps_low, clip_eps_high=settings.clip_eps_high,
+            aggregation="global" if token_mean else "sequence_mean", global_token_count=normalizer if token_mean else None,
+        )
+        loss = policy_loss.loss if token_mean else policy_loss.loss * mask.shape[0] / normalizer
+        tokens = float(mask.sum())
+        sums = {"clip_frac": float(policy_loss.clip_fraction) * tokens, "tokens": tokens, "weight": float(self.loss_weight(batch))}
+        if self.reference is not None:
+            kl = kl_k3(logprobs, batch["reference_logprobs"], max_log_ratio=settings.kl_max_log_ratio)
+            loss = loss + settings.kl_coef * self._aggregate(kl, mask, normalizer)
+            sums["kl"] = float(masked_sum(kl.detach(), mask))
+        with torch.no_grad():
+            sums["entropy"] = float(masked_sum(entropy_from_logits(logits.detach()), mask))
+        sums["loss"] = float(loss.detach()) * normalizer  # the sum of this micro-batch's unit losses
+        return StepOutput(loss, sums)

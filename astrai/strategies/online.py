@@ -1,0 +1,147 @@
+"""What the online train types (`grpo`, `online_ppo`) share: prompt data, batch geometry, rollouts,
+rewards, the frozen reference and the replay minibatches. A subclass adds `frozen_targets` and the loss.
+
+Batch geometry of one step (W ranks, M = train.micro_batch_size, A = train.grad_accum_steps):
+each rank takes rollout.prompts_per_step / W prompts and samples group_size responses to each, so a
+group never spans ranks and its advantages need no communication. DeepSpeed fixes A micro-batches
+per optimizer step, so one minibatch is M x A sequences per rank (M x A x W in all) and each replay
+epoch makes (sequences per rank) / (M x A) optimizer steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+
+import datasets
+import torch
+
+from astrai.config import ConfigError
+from astrai.data import tokenize_rows
+from astrai.data.sampler import ShardedOrder
+from astrai.engine import make_frozen_engine
+from astrai.models.policy import build_policy
+from astrai.rollout import RolloutResult, build_reward, generate_rollout, reward_inputs, sampling_seed
+from astrai.rollout.prompts import decode_prompt_row, prompt_batch
+from astrai.strategies.base import Strategy
+
+logger = logging.getLogger("astrai.online")
+
+
+@dataclass(frozen=True)
+class BatchGeometry:
+    prompts_per_rank: int
+    sequences_per_rank: int  # prompts_per_rank x group_size
+    micro_batch_size: int
+    micro_batches_per_update: int  # train.grad_accum_steps
+    updates_per_epoch: int  # optimizer steps per replay epoch
+
+    @property
+    def sequences_per_update(self) -> int:
+        return self.micro_batch_size * self.micro_batches_per_update
+
+
+def batch_geometry(job, world_size: int) -> BatchGeometry:
+    """Check that a step's rollout splits into whole optimizer steps on every rank; say what to change if not."""
+    rollout, train = job.rollout, job.train
+    if rollout.prompts_per_step % world_size:
+        raise ConfigError(f"rollout.prompts_per_step {rollout.prompts_per_step} does not split over {world_size} ranks: use a multiple of {world_size}")
+    per_update = train.micro_batch_size * train.grad_accum_steps
+    if job.rl.minibatch_size is not None and job.rl.minibatch_size != per_update * world_size:
+        raise ConfigError(
+            f"rl.minibatch_size {job.rl.minibatch_size} != train.micro_batch_size {train.micro_batch_size} x train.grad_accum_steps "
+            f"{train.grad_accum_steps} x {world_size} ranks = {per_update * world_size}: DeepSpeed fixes the micro-batches of an "
+            f"optimizer step, so set train.grad_accum_steps to {job.rl.minibatch_size / (train.micro_batch_size * world_size):g} or leave rl.minibatch_size null"
+        )
+    prompts_per_rank = rollout.prompts_per_step // world_size
+    sequences = prompts_per_rank * rollout.group_size
+    if sequences % per_update:
+        raise ConfigError(
+            f"each rank samples {prompts_per_rank} prompts x rollout.group_size {rollout.group_size} = {sequences} responses, "
+            f"not a multiple of one minibatch's {per_update} per rank (train.micro_batch_size x train.grad_accum_steps)"
+        )
+    return BatchGeometry(prompts_per_rank, sequences, train.micro_batch_size, train.grad_accum_steps, sequences // per_update)
+
+
+class OnlineStrategy(Strategy):
+    loop = "online"
+
+    def prepare_data(self, rows) -> tuple[datasets.Dataset, int]:
+        function = partial(
+            prompt_batch, tokenizer=self.tokenizer, fields=self.job.data, max_len=self.job.data.max_seq_len,
+            skip_bad=self.job.data.on_bad_row == "skip",
+        )
+        dataset = tokenize_rows(rows, function, num_proc=self.job.data.num_proc, description="rendering prompts")
+        skipped = sum(dataset["bad"])
+        return dataset.filter(lambda row: not row["bad"]).remove_columns("bad"), skipped
+
+    @classmethod
+    def check_job(cls, job, world_size: int) -> None:
+        batch_geometry(job, world_size)
+
+    def optimizer_steps_per_step(self, world_size: int) -> int:
+        """Optimizer updates of one step (rollout): what an LR schedule over train.max_steps must multiply by."""
+        return batch_geometry(self.job, world_size).updates_per_epoch * self.job.rl.epochs_per_rollout
+
+    def setup(self, run) -> None:
+        self.geometry = batch_geometry(self.job, run.dist.world_size)
+        self.dataset, self.dist = run.dataset, run.dist
+        self.order = ShardedOrder(len(run.dataset), self.geometry.prompts_per_rank, run.dist.world_size, run.dist.rank, self.job.train.seed, self.job.data.shuffle)
+        self.reward = build_reward(self.job.reward, run.dist.device)
+        self.reference, self.reference_source = None, None
+        updates = self.optimizer_steps_per_step(run.dist.world_size)
+        logger.info(
+            "%s: %d prompts x %d responses per rank per step, %d optimizer steps per step, reward %s",
+            self.name, self.geometry.prompts_per_rank, self.job.rollout.group_size, updates, ", ".join(self.reward.names),
+        )
+
+    def build_reference(self, run) -> None:
+        """The frozen reference (as `dpo`'s): `model.reference_path`, else the policy's starting weights;
+        partitioned like the policy under ZeRO-3."""
+        model_config = self.job.model
+        if model_config.reference_path is not None:
+            model_config = model_config.model_copy(update={"path": model_config.reference_path, "init": None})
+        self.reference_source = model_config.path or f"model.init (seed {self.job.train.seed}): the policy's starting weights"
+        self.reference = make_frozen_engine(build_policy(model_config, self.tokenizer, self.job.train.seed), run.engines["policy"].ds_config)
+
+    def checkpoint_meta(self) -> dict:
+        return {"reference": self.reference_source, "reward": self.reward.names}
+
+    # The loop calls these in order, once per step (minibatches once per replay epoch).
+    def prompt_batches(self, consumed_samples: int) -> Iterator[list[dict]]:
+        """This rank's prepared prompt examples for each step from `consumed_samples` (global prompts) on."""
+        for indices in self.order.micro_batches(consumed_samples):
+            yield [self.dataset[index] for index in indices]
+
+    def prompt_epoch(self, consumed_samples: int) -> int:
+        return self.order.epoch_of(consumed_samples)
+
+    def rollout(self, policy, examples: list[dict], *, step: int, policy_version: int) -> RolloutResult:
+        prompt_ids, messages, rows = zip(*(decode_prompt_row(example) for example in examples))
+        return generate_rollout(
+            policy, self.tokenizer, prompt_ids, messages, rows, self.job.rollout,
+            seed=sampling_seed(self.job.train.seed, step, self.dist.rank), policy_version=policy_version,
+            logprob_batch_size=self.geometry.micro_batch_size,
+        )
+
+    def score(self, rollout: RolloutResult) -> None:
+        """Set `rollout.rewards` [N] (and its components) from the `reward:` section."""
+        scores = self.reward(reward_inputs(rollout))
+        device = rollout.response_ids.device
+        rollout.rewards = scores.total.to(device)
+        rollout.reward_components = {name: values.to(device) for name, values in scores.components.items()}
+
+    def frozen_targets(self, rollout: RolloutResult) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def minibatches(self, targets: dict[str, torch.Tensor], *, step: int, epoch: int) -> Iterator[list[dict[str, torch.Tensor]]]:
+        """One list of grad_accum_steps micro-batches per optimizer step, over a fresh permutation of this
+        rank's sequences each epoch (seeded by step, epoch and rank, so a resumed run replays the same)."""
+        geometry = self.geometry
+        generator = torch.Generator().manual_seed(sampling_seed(self.job.train.seed, step, self.dist.rank, stream=1 + epoch))
+        order = torch.randperm(geometry.sequences_per_rank, generator=generator).to(targets["input_ids"].device)
+        for start in range(0, geometry.sequences_per_rank, geometry.sequences_per_update):
+            update = order[start : start + geometry.sequences_per_update]
+            yield [{key: value[micro] for key, value in targets.items()} for micro in update.split(geometry.micro_batch_size)]

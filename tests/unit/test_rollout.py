@@ -1,0 +1,206 @@
+"""Rollouts: the prompt + response layout and its masks, generation, behaviour log-probs, prompt rendering.
+
+Tolerance of "behaviour log-probs equal a fresh forward": 1e-5 absolute, fp32 on CPU. The behaviour
+log-probs come from a batched forward over left-padded prompts with explicit position ids; the fresh
+forward runs each sequence alone without any padding, so the two differ only in summation order.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from astrai.data.render import RowError
+from astrai.rollout.generation import generate_rollout, rollout_metrics, sampling_seed
+from astrai.rollout.prompts import decode_prompt_row, prompt_batch, render_prompt
+from astrai.rollout.sequences import join_sequences, left_pad, position_ids, response_logprobs, response_mask, truncated_rows
+from tests.unit.rollout_fixtures import PlainEngine, tiny_model, tiny_tokenizer
+
+EOS, PAD = 3, 0
+ATOL = 1e-5
+FIELDS = SimpleNamespace(messages_field="messages", prompt_field="prompt")
+
+
+def settings(**changes):
+    values = dict(group_size=3, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=6)
+    values.update(changes)
+    return SimpleNamespace(**values)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_model(tokenizer).eval()
+
+
+def prompts_of(tokenizer, texts):
+    messages = [[{"role": "user", "content": text}] for text in texts]
+    return [render_prompt(tokenizer, chat) for chat in messages], messages
+
+
+# ----------------------------------------------------------------------------- masks and layout
+
+
+def test_response_mask_keeps_tokens_through_the_first_eos():
+    responses = torch.tensor([
+        [5, 6, EOS, PAD, PAD],  # EOS in the middle: the EOS is kept, the padding after it is not
+        [EOS, EOS, EOS, EOS, EOS],  # all EOS (pad == eos tokenizers): only the first counts
+        [5, 6, 7, 8, 9],  # no EOS: cut at max length, every token kept
+        [EOS, 5, 6, EOS, 7],  # immediate EOS: whatever follows is junk
+        [5, 6, 7, 8, EOS],  # EOS exactly at the last column
+    ])
+    assert response_mask(responses, EOS).tolist() == [
+        [1, 1, 1, 0, 0],
+        [1, 0, 0, 0, 0],
+        [1, 1, 1, 1, 1],
+        [1, 0, 0, 0, 0],
+        [1, 1, 1, 1, 1],
+    ]
+    assert truncated_rows(responses, EOS).tolist() == [False, False, True, False, False]
+    assert response_mask(torch.tensor([[5, 9, 6]]), [9, EOS]).tolist() == [[1, 1, 0]]  # several stop ids
+
+
+def test_left_pad_join_and_positions():
+    prompt_ids, prompt_mask = left_pad([[11, 12, 13], [21]], PAD)
+    assert prompt_ids.tolist() == [[11, 12, 13], [PAD, PAD, 21]]
+    assert prompt_mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+    response_ids = torch.tensor([[5, EOS, PAD], [6, 7, 8]])
+    joined = join_sequences(prompt_ids, prompt_mask, response_ids, response_mask(response_ids, EOS))
+    assert joined["input_ids"].tolist() == [[11, 12, 13, 5, EOS, PAD], [PAD, PAD, 21, 6, 7, 8]]
+    assert joined["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
+    # Positions count attended tokens only: the short prompt's first real token is position 0.
+    assert joined["position_ids"].tolist() == [[0, 1, 2, 3, 4, 4], [0, 0, 0, 1, 2, 3]]
+    assert position_ids(torch.tensor([[0, 1, 1, 0]])).tolist() == [[0, 0, 1, 1]]
+    # Prompt masking: the loss mask covers response columns only; prompt tokens are never trained.
+    assert joined["response_mask"].shape == (2, 3) and joined["response_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]
+
+
+def test_response_logprobs_equal_a_fresh_unpadded_forward(model):
+    prompt_ids, prompt_mask = left_pad([[4, 5, 6, 7, 8], [9, 10], [11, 12, 13]], PAD)
+    response_ids = torch.tensor([[14, 15, EOS, PAD], [16, 17, 18, 19], [EOS, PAD, PAD, PAD]])
+    sequences = join_sequences(prompt_ids, prompt_mask, response_ids, response_mask(response_ids, EOS))
+    batched = response_logprobs(model, sequences, temperature=1.0, batch_size=2)
+    for row in range(3):
+        prompt = prompt_ids[row][prompt_mask[row].bool()].tolist()
+        response = response_ids[row][sequences["response_mask"][row].bool()].tolist()
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + response])).logits[0].double()
+        expected = [torch.log_softmax(logits[len(prompt) - 1 + t], -1)[token].item() for t, token in enumerate(response)]
+        assert batched[row, : len(response)].tolist() == pytest.approx(expected, abs=ATOL)
+        assert batched[row, len(response) :].abs().sum() == 0  # padding holds exact zeros
+    hot = response_logprobs(model, sequences, temperature=2.0, batch_size=3)
+    assert not torch.allclose(hot, batched)  # temperature-scaled logits give other log-probs
+
+
+# ----------------------------------------------------------------------------- generation
+
+
+def test_rollout_shapes_groups_and_behaviour_logprobs(model, tokenizer):
+    prompt_ids, messages = prompts_of(tokenizer, ["1+2=", "10+20=", "7-3="])
+    rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "10+20=", "answer": "30"}, {"prompt": "7-3=", "answer": "4"}]
+    result = generate_rollout(PlainEngine(model), tokenizer, prompt_ids, messages, rows, settings(), seed=5, policy_version=7, logprob_batch_size=4)
+    n, longest = 9, max(len(ids) for ids in prompt_ids)
+    assert result.size == n and result.group_size == 3 and result.policy_version == 7
+    assert result.prompt_ids.shape == result.prompt_mask.shape == (n, longest)
+    width = result.response_ids.shape[1]
+    assert 1 <= width <= 6 and result.response_mask.shape == result.behaviour_logprobs.shape == (n, width)
+    for index in range(n):  # groups are contiguous: rows 3k..3k+2 answer prompt k
+        prompt = result.prompt_ids[index][result.prompt_mask[index].bool()].tolist()
+        assert prompt == prompt_ids[index // 3] and result.rows[index] == rows[index // 3] and result.messages[index] == messages[index // 3]
+    assert result.prompt_texts[0].endswith("<|im_start|>assistant\n")
+    # The mask is the rule of `response_mask`, and truncation is "no EOS".
+    assert torch.equal(result.response_mask, response_mask(result.response_ids, tokenizer.eos_token_id))
+    assert torch.equal(result.truncated, truncated_rows(result.response_ids, tokenizer.eos_token_id))
+    assert result.response_texts[0] == tokenizer.decode(result.response_ids[0][result.response_mask[0].bool()].tolist(), skip_special_tokens=True)
+    # Behaviour log-probs = a fresh forward of the same weights on each sequence alone.
+    for index in (0, 4, 8):
+        prompt = prompt_ids[index // 3]
+        response = result.response_ids[index][result.response_mask[index].bool()].tolist()
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + response])).logits[0]
+        expected = torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + len(response)], -1)
+        expected = expected.gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+        assert result.behaviour_logprobs[index, : len(response)].tolist() == pytest.approx(expected.tolist(), abs=ATOL)
+
+
+def test_max_length_truncates_and_marks(model, tokenizer):
+    prompt_ids, messages = prompts_of(tokenizer, ["1+2="])
+    result = generate_rollout(PlainEngine(model), tokenizer, prompt_ids, messages, [{}], settings(group_size=8, max_new_tokens=2), seed=1, policy_version=0, logprob_batch_size=8)
+    assert result.response_ids.shape[1] <= 2
+    lengths = result.response_mask.sum(dim=1)
+    for row in range(8):  # a row is either cut at 2 tokens without EOS or ended by an EOS
+        ended = (result.response_ids[row][: lengths[row]] == tokenizer.eos_token_id).any().item()
+        assert ended != result.truncated[row].item()
+        assert result.truncated[row].item() <= (lengths[row].item() == 2)
+
+
+def test_sampling_is_seeded_per_rollout_and_ignores_model_generation_defaults(model, tokenizer):
+    prompt_ids, messages = prompts_of(tokenizer, ["5+5="])
+    engine = PlainEngine(model)
+    model.generation_config.top_k = 1  # a model default that would make sampling greedy
+    model.generation_config.repetition_penalty = 10.0
+    try:
+        def run(seed):
+            return generate_rollout(engine, tokenizer, prompt_ids, messages, [{}], settings(group_size=8), seed=seed, policy_version=0, logprob_batch_size=8)
+
+        first, again, other = run(11), run(11), run(12)
+    finally:
+        model.generation_config.top_k, model.generation_config.repetition_penalty = None, None
+    assert torch.equal(first.response_ids, again.response_ids)
+    assert not torch.equal(first.response_ids, other.response_ids)
+    assert len(set(first.response_texts)) > 1  # not greedy: top_k 0 of our settings won over the model's 1
+
+
+def test_rollout_leaves_the_global_rng_alone(model, tokenizer):
+    prompt_ids, messages = prompts_of(tokenizer, ["5+5="])
+    torch.manual_seed(99)
+    expected = torch.rand(3)
+    torch.manual_seed(99)
+    generate_rollout(PlainEngine(model), tokenizer, prompt_ids, messages, [{}], settings(), seed=1, policy_version=0, logprob_batch_size=4)
+    assert torch.equal(torch.rand(3), expected)
+    assert model.training is False  # restored to the mode it had
+
+
+def test_sampling_seed_is_distinct_per_step_rank_and_stream():
+    seeds = {sampling_seed(42, step, rank, stream) for step in range(20) for rank in range(4) for stream in range(3)}
+    assert len(seeds) == 20 * 4 * 3
+    assert sampling_seed(42, 3, 1) == sampling_seed(42, 3, 1) and sampling_seed(42, 3, 1) != sampling_seed(43, 3, 1)
+
+
+def test_rollout_metrics_from_global_sums():
+    # Two ranks' sums: rewards {1, 0} and {1, 1}; 4 responses of 3, 1, 2, 2 tokens, one truncated.
+    totals = {"rollout/responses": 4.0, "rollout/response_tokens": 8.0, "rollout/truncated": 1.0,
+              "rollout/reward": 3.0, "rollout/reward_squared": 3.0, "rollout/reward_exact": 2.0}
+    record = rollout_metrics(totals)
+    assert record["reward_mean"] == pytest.approx(0.75)
+    assert record["reward_std"] == pytest.approx((0.75 - 0.75**2) ** 0.5)  # population std of {1, 0, 1, 1}
+    assert record["response_len_mean"] == 2.0 and record["truncated_frac"] == 0.25 and record["reward_exact"] == 0.5
+
+
+# ----------------------------------------------------------------------------- prompt rendering
+
+
+def test_prompt_rows_render_with_generation_prompt_and_keep_every_field(tokenizer):
+    batch = {"prompt": ["1+2=", None], "answer": ["3", "5"], "messages": [None, [{"role": "user", "content": "2+3="}]]}
+    out = prompt_batch(batch, [0, 1], tokenizer=tokenizer, fields=FIELDS, max_len=64, skip_bad=False)
+    ids, messages, row = decode_prompt_row({key: values[0] for key, values in out.items()})
+    assert tokenizer.decode(ids) == "<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n"
+    assert messages == [{"role": "user", "content": "1+2="}] and row["answer"] == "3"
+    second = decode_prompt_row({key: values[1] for key, values in out.items()})
+    assert second[1] == [{"role": "user", "content": "2+3="}] and second[2]["answer"] == "5"
+    assert json.loads(out["row"][1])["prompt"] is None and out["bad"] == [False, False]
+
+
+def test_too_long_or_malformed_prompt_is_a_bad_row(tokenizer):
+    batch = {"prompt": ["1+2=" * 20, 7]}
+    with pytest.raises(RowError, match="more than data.max_seq_len=16"):
+        prompt_batch(batch, [0, 1], tokenizer=tokenizer, fields=FIELDS, max_len=16, skip_bad=False)
+    out = prompt_batch(batch, [0, 1], tokenizer=tokenizer, fields=FIELDS, max_len=16, skip_bad=True)
+    assert out["bad"] == [True, True] and out["prompt_ids"] == [[], []]
