@@ -4,6 +4,10 @@
 (its `checkpoints/` folder is used). A folder verifies every published checkpoint, newest first,
 unless `--latest`. Exit status: 0 all valid, 1 some checkpoint invalid (the first bad file is
 named), 2 nothing to verify or bad arguments, 3 only legacy checkpoints (no manifest) besides valid ones.
+
+`--require-parts policy,critic` also fails (status 1, line `INCOMPLETE`) a checkpoint that lacks a part
+the job needs, so a launcher can refuse a resume before any rank starts (`scripts/train.sh` does).
+This module stays ignorant of train types: the caller names the parts.
 """
 
 from __future__ import annotations
@@ -12,10 +16,10 @@ import argparse
 from pathlib import Path
 from typing import Sequence
 
-from .errors import CheckpointVerifyError, LegacyCheckpointError
+from .errors import CheckpointError, CheckpointVerifyError, LegacyCheckpointError
 from .layout import list_published, parse_hidden_dir_name, parse_step_dir_name
 from .manifest import MANIFEST_NAME
-from .verify import verify_checkpoint
+from .verify import require_parts, verify_checkpoint
 
 EXIT_VALID, EXIT_INVALID, EXIT_USAGE, EXIT_LEGACY = 0, 1, 2, 3
 
@@ -34,6 +38,28 @@ def resolve_targets(path: Path, *, latest: bool) -> tuple[list[Path], str | None
     return published[:1] if latest else published, None
 
 
+def check_target(target: Path, *, hash_threads: int | None, digests: bool, required_parts: list[str]) -> tuple[str, str]:
+    """("valid" | "invalid" | "legacy", the line to print) for one checkpoint directory."""
+    try:
+        report = verify_checkpoint(target, hash_threads=hash_threads, digests=digests)
+    except LegacyCheckpointError:
+        report = None  # unverifiable, yet its top-level folders still tell which parts it has
+    except CheckpointVerifyError as error:
+        return "invalid", f"INVALID  {target}: {error.reason}: {error.file or '-'}\n         {error}"
+    if required_parts:
+        try:
+            require_parts(target, required_parts)
+        except CheckpointError as error:
+            return "invalid", f"INCOMPLETE {target}: {error}"
+    if report is None:
+        return "legacy", f"LEGACY   {target}: no manifest.json (legacy checkpoint); it cannot be verified"
+    checked = report.algorithm if report.digests_checked else "sizes only"
+    return "valid", (
+        f"OK       {target}: step {report.step}, {report.files} files, "
+        f"{report.bytes / 2**20:.1f} MiB, {checked}, {report.seconds:.2f} s"
+    )
+
+
 def verify_main(argv: Sequence[str] | None = None) -> int:
     """Entry of `python -m astrai verify`; `argv` excludes the program and subcommand names."""
     parser = argparse.ArgumentParser(prog="astrai verify", description=__doc__.splitlines()[0])
@@ -41,6 +67,10 @@ def verify_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--latest", action="store_true", help="verify only the newest published checkpoint")
     parser.add_argument("--quick", action="store_true", help="check file lists and sizes only, no digests")
     parser.add_argument("--hash-threads", type=int, default=None, help="hashing threads (default: min(8, CPUs))")
+    parser.add_argument(
+        "--require-parts", action="append", default=[], metavar="PART[,PART...]",
+        help="also fail a checkpoint lacking any of these parts (e.g. policy,critic); repeatable",
+    )
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_request:  # argparse exits on bad arguments; return its status instead
@@ -49,23 +79,12 @@ def verify_main(argv: Sequence[str] | None = None) -> int:
     if problem:
         print(f"astrai verify: {problem}")
         return EXIT_USAGE
+    required = [part.strip() for group in args.require_parts for part in group.split(",") if part.strip()]
     counts = {"valid": 0, "invalid": 0, "legacy": 0}
     for target in targets:
-        try:
-            report = verify_checkpoint(target, hash_threads=args.hash_threads, digests=not args.quick)
-        except LegacyCheckpointError:
-            counts["legacy"] += 1
-            print(f"LEGACY   {target}: no manifest.json (legacy checkpoint); it cannot be verified")
-        except CheckpointVerifyError as error:
-            counts["invalid"] += 1
-            print(f"INVALID  {target}: {error.reason}: {error.file or '-'}\n         {error}")
-        else:
-            counts["valid"] += 1
-            checked = report.algorithm if report.digests_checked else "sizes only"
-            print(
-                f"OK       {target}: step {report.step}, {report.files} files, "
-                f"{report.bytes / 2**20:.1f} MiB, {checked}, {report.seconds:.2f} s"
-            )
+        outcome, line = check_target(target, hash_threads=args.hash_threads, digests=not args.quick, required_parts=required)
+        counts[outcome] += 1
+        print(line)
     print(f"{counts['valid']} valid, {counts['invalid']} invalid, {counts['legacy']} legacy")
     if counts["invalid"]:
         return EXIT_INVALID

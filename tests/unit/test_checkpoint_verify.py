@@ -218,3 +218,23 @@ def test_verify_cli_in_a_subprocess(tmp_path):
     (checkpoint / "policy" / "a.pt").unlink()
     broken = run()
     assert broken.returncode == 1 and "missing: policy/a.pt" in broken.stdout
+
+
+def test_verify_cli_require_parts(tmp_path, capsys):
+    """`--require-parts` fails a checkpoint lacking a part the job needs (what scripts/train.sh checks before a resume)."""
+    output_dir = tmp_path / "run"
+    publish(output_dir / "checkpoints", 1)
+    newest = output_dir / "checkpoints" / step_dir_name(1)
+
+    assert verify_main([str(output_dir), "--latest", "--quick", "--require-parts", "policy"]) == 0
+    assert "1 valid, 0 invalid" in capsys.readouterr().out
+    assert verify_main([str(newest), "--require-parts", "policy,critic"]) == 1
+    out = capsys.readouterr().out
+    assert "INCOMPLETE" in out and "lacks the part(s) critic" in out and "0 valid, 1 invalid" in out
+    assert verify_main([str(newest), "--require-parts", "policy", "--require-parts", " critic "]) == 1  # repeatable, trimmed
+    capsys.readouterr()
+    legacy = output_dir / "checkpoints" / step_dir_name(2)
+    (legacy / "policy").mkdir(parents=True)
+    assert verify_main([str(legacy), "--require-parts", "policy"]) == 3  # parts present: still only "legacy"
+    assert verify_main([str(legacy), "--require-parts", "policy,critic"]) == 1
+    assert "INCOMPLETE" in capsys.readouterr().out
