@@ -1,4 +1,4 @@
-"""File digests for manifests: sha256 (default), blake2b, xxh3_128 (needs the `xxhash` package).
+"""File digests for manifests: xxh3_128 (the job default; the `xxhash` package, a dependency), sha256 (the publisher's default), blake2b.
 
 Files are read in 8 MiB chunks into one reused buffer; hashlib (and xxhash) release the GIL
 while hashing large buffers, so a thread pool scales over files on one rank without processes.
@@ -43,7 +43,7 @@ def new_hasher(algorithm: str):
             import xxhash
         except ImportError as error:
             raise CheckpointError(
-                "hash 'xxh3_128' needs the xxhash package: pip install 'astrai[fast-hash]' "
+                "hash 'xxh3_128' needs the xxhash package: pip install xxhash "
                 "(or pick checkpoint.hash: sha256)"
             ) from error
         return xxhash.xxh3_128()

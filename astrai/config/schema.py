@@ -118,7 +118,9 @@ class CheckpointConfig(Section):
     keep_last: int | None = Field(None, ge=1, description="Keep the newest K checkpoints; older ones are removed only after a newer one is published.")
     resume: str = Field("auto", description="`auto`: newest valid checkpoint in output_dir; `never`: start fresh; or a checkpoint path.")
     verify_on_load: bool = Field(False, description="Re-hash every file against the manifest before resuming.")
-    hash: Literal["sha256", "blake2b", "xxh3_128"] = Field("sha256", description="File digest recorded in the manifest.")
+    hash: Literal["sha256", "blake2b", "xxh3_128"] = Field(
+        "xxh3_128", description="File digest recorded in the manifest. xxh3_128 (~10 GB/s a core) catches damage at a tenth of sha256's cost; sha256 when a cryptographic digest is wanted."
+    )
     save_timeout_s: float = Field(600.0, gt=0, description="A save that cannot finish on every rank within this fails with the stalled phase named.")
 
 

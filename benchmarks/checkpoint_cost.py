@@ -1,0 +1,291 @@
+"""Checkpoint cost: AstrAI's crash-safe publish against DeepSpeed's plain `save_checkpoint` of the same
+engine, and against the disk's sequential write bandwidth, measured alternately in one run.
+
+    python benchmarks/checkpoint_cost.py                         # 2 ranks, ZeRO-2 and ZeRO-3, small + medium
+    python benchmarks/checkpoint_cost.py --sizes tiny --repeats 1 --hash-mib 16   (smoke size)
+
+One launch of 2 ranks builds, for each (ZeRO stage, model size), AstrAI's own engine (astrai.engine),
+takes one optimizer step so the optimizer state exists, then repeats, in rotating order:
+    plain        engine.save_checkpoint(dir)  (DeepSpeed alone: page cache, no fsync)
+    plain+fsync  the same, then every file fsynced (what durability alone costs)
+    publish      CheckpointPublisher.publish with the job's default hash (sha256): staging, shards,
+                 fsync + hash of every file, manifest, directory fsyncs, atomic rename
+    publish_xxh3 the same with checkpoint.hash: xxh3_128
+    disk         both ranks write as many bytes as their checkpoint shards at once, then fsync
+Times are the slowest rank's (a save ends when every rank has finished). Hashing GB/s is measured in
+memory (one thread) in the parent process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import (  # noqa: E402
+    REPO, RESULTS, child_env, command_line, deepspeed_command, fmt, fmt_summary, launch, machine, machine_line,
+    markdown_table, model_init, parameter_count, require_success, summarize, write_results,
+)
+
+METHODS = ("plain", "plain+fsync", "publish", "publish_xxh3", "disk")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="small,medium", help="model sizes from benchmarks/common.py MODELS")
+    parser.add_argument("--stages", default="2,3")
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hash-mib", type=int, default=256, help="buffer hashed in memory per algorithm")
+    parser.add_argument("--results-dir", default=str(RESULTS))
+    parser.add_argument("--name", default="checkpoint_cost")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # JSON plan, set by the parent
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def hashing_gbps(mib: int) -> dict[str, float | None]:
+    """GB/s of each manifest hash over an in-memory buffer, one thread (best of 3)."""
+    import hashlib
+
+    data = os.urandom(mib * 2**20)
+    makers = {"sha256": hashlib.sha256, "blake2b": hashlib.blake2b}
+    try:
+        import xxhash
+
+        makers["xxh3_128"] = xxhash.xxh3_128
+    except ImportError:
+        pass
+    result: dict[str, float | None] = {"sha256": None, "blake2b": None, "xxh3_128": None}
+    view = memoryview(data)
+    chunk = 8 * 2**20  # the publisher's read size
+    for name, make in makers.items():
+        best = float("inf")
+        for _ in range(3):
+            hasher = make()
+            started = time.perf_counter()
+            for start in range(0, len(data), chunk):
+                hasher.update(view[start : start + chunk])
+            hasher.hexdigest()
+            best = min(best, time.perf_counter() - started)
+        result[name] = len(data) / best / 1e9
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Worker (every rank)
+
+
+def _files_under(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file())
+
+
+def _fsync_share(folder: Path, rank: int, world: int) -> None:
+    from astrai.checkpoint import fs
+
+    for index, path in enumerate(_files_under(folder)):
+        if index % world == rank:
+            fs.fsync_file(path)
+    for directory, _, _ in os.walk(folder):
+        if rank == 0:
+            fs.fsync_dir(Path(directory))
+
+
+def _write_and_fsync(path: Path, size: int) -> None:
+    block = os.urandom(min(size, 8 * 2**20)) if size else b""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        written = 0
+        while written < size:
+            written += os.write(descriptor, block[: size - written])
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def worker(plan: dict) -> int:
+    import torch
+    import torch.distributed as dist
+
+    import astrai.checkpoint.publisher as publisher_module
+    from astrai.checkpoint import CheckpointPublisher
+    from astrai.config.schema import DeepSpeedSection
+    from astrai.engine import build_ds_config, make_engine, setup_distributed
+    from benchmarks.common import build_model
+
+    info = setup_distributed(600)
+    rank, world = info.rank, info.world_size
+    root = Path(plan["work"])
+    hash_seconds = {"value": 0.0}
+    original_hash_files = publisher_module.hash_files
+
+    def timed_hash_files(*args, **kwargs):  # the publisher's hash phase (fsync + read + digest), this rank
+        started = time.perf_counter()
+        try:
+            return original_hash_files(*args, **kwargs)
+        finally:
+            hash_seconds["value"] += time.perf_counter() - started
+
+    publisher_module.hash_files = timed_hash_files
+
+    def slowest(seconds: float) -> float:
+        tensor = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return float(tensor.item())
+
+    def total(value: float) -> float:
+        tensor = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(tensor)
+        return float(tensor.item())
+
+    results = []
+    for stage in plan["stages"]:
+        for size in plan["sizes"]:
+            init = model_init(size, 64)
+            template = REPO / "ds_configs" / f"zero{stage}.json"
+            config = build_ds_config(DeepSpeedSection(zero_stage=stage), template_path=template, micro_batch_size=2, grad_accum_steps=1,
+                                     max_grad_norm=1.0, precision="fp32", lr=1e-3, betas=(0.9, 0.95), eps=1e-8, world_size=world)
+            engine = make_engine(build_model(init, 0), config, weight_decay=0.0, schedule=lambda _: 1.0)
+            ids = torch.randint(0, init["vocab_size"], (2, 64))
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            case = root / f"z{stage}_{size}"
+            publishers = {
+                "publish": CheckpointPublisher(case / "published", parts=["policy"], hash_algorithm="sha256"),
+                "publish_xxh3": CheckpointPublisher(case / "published_xxh3", parts=["policy"], hash_algorithm="xxh3_128"),
+            }
+            own_bytes = None
+            for repeat in range(plan["repeats"]):
+                order = list(METHODS[repeat % len(METHODS):] + METHODS[: repeat % len(METHODS)])
+                for method in order:
+                    target = case / f"{method}_{repeat}"
+                    dist.barrier()
+                    hash_seconds["value"] = 0.0
+                    write_seconds = {"value": 0.0}
+                    started = time.perf_counter()
+                    if method in ("plain", "plain+fsync"):
+                        engine._engine.save_checkpoint(str(target))
+                        if method == "plain+fsync":
+                            dist.barrier()  # every rank's files exist before they are shared out for fsync
+                            _fsync_share(target, rank, world)
+                    elif method.startswith("publish"):
+                        def write(staging: Path) -> None:
+                            begun = time.perf_counter()
+                            engine.save(staging / "policy")
+                            write_seconds["value"] = time.perf_counter() - begun
+
+                        publishers[method].publish(repeat + 1, write)
+                    else:  # disk: this rank's share of the checkpoint's bytes, written and fsynced
+                        target.mkdir(parents=True, exist_ok=True)
+                        _write_and_fsync(target / f"rank{rank}.bin", own_bytes or 0)
+                    seconds = time.perf_counter() - started
+                    seconds_all = slowest(seconds)
+                    hash_all = slowest(hash_seconds["value"])
+                    write_all = slowest(write_seconds["value"])
+                    dist.barrier()
+                    if method == "plain" and own_bytes is None:
+                        sizes = [p.stat().st_size for p in _files_under(target)]
+                        own_bytes = int(sum(sizes) // world) + 1
+                    total_bytes = sum(p.stat().st_size for p in _files_under(target if not method.startswith("publish") else case / ("published" if method == "publish" else "published_xxh3")))
+                    results.append({"stage": stage, "size": size, "method": method, "repeat": repeat, "seconds": seconds_all,
+                                    "hash_phase_s": hash_all if method.startswith("publish") else None,
+                                    "write_phase_s": write_all if method.startswith("publish") else None, "bytes": total_bytes})
+                    dist.barrier()
+                    if rank == 0:
+                        shutil.rmtree(target, ignore_errors=True)
+                        if method.startswith("publish"):
+                            shutil.rmtree(case / ("published" if method == "publish" else "published_xxh3"), ignore_errors=True)
+                    dist.barrier()
+            del engine
+    if rank == 0:
+        Path(plan["out"]).write_text(json.dumps({"results": results, "world_size": world}))
+    dist.destroy_process_group()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Parent
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return worker(json.loads(Path(args.worker).read_text()))
+    results_dir = Path(args.results_dir)
+    work = results_dir / f"{args.name}_work"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    info = machine()
+    print(machine_line(info))
+    started = time.perf_counter()
+    hashing = hashing_gbps(args.hash_mib)
+    plan = {"work": str(work / "checkpoints"), "out": str(work / "worker.json"), "repeats": args.repeats,
+            "stages": [int(s) for s in args.stages.split(",")], "sizes": args.sizes.split(",")}
+    (work / "plan.json").write_text(json.dumps(plan))
+    result = launch(deepspeed_command(args.ranks, Path(__file__).resolve(), "--worker", str(work / "plan.json")),
+                    env=child_env(), timeout=1800, log=work / "launch.log")
+    require_success(result, "the checkpoint worker launch")
+    measured = json.loads((work / "worker.json").read_text())["results"]
+    hashing_after = hashing_gbps(args.hash_mib)
+    hashing = {name: max(v for v in (hashing[name], hashing_after[name]) if v is not None) if hashing[name] else None for name in hashing}
+    cases = []
+    for stage in plan["stages"]:
+        for size in plan["sizes"]:
+            rows = [r for r in measured if r["stage"] == stage and r["size"] == size]
+            by = {(r["method"], r["repeat"]): r for r in rows}
+            case = {"stage": stage, "size": size, "parameters": parameter_count(model_init(size, 64)),
+                    "bytes": next(r["bytes"] for r in rows if r["method"] == "plain")}
+            for method in METHODS:
+                case[method] = summarize([by[(method, k)]["seconds"] for k in range(args.repeats) if (method, k) in by])
+            for method in METHODS[1:]:
+                case[f"{method}/plain"] = summarize([by[(method, k)]["seconds"] / by[("plain", k)]["seconds"] for k in range(args.repeats)])
+            for method in ("publish", "publish_xxh3"):  # what a crash-safe publish costs beyond durability itself
+                case[f"{method}/plain+fsync"] = summarize([by[(method, k)]["seconds"] / by[("plain+fsync", k)]["seconds"] for k in range(args.repeats)])
+            case["publish/disk"] = summarize([by[("publish", k)]["seconds"] / by[("disk", k)]["seconds"] for k in range(args.repeats)])
+            case["disk_gbps"] = summarize([case["bytes"] / by[("disk", k)]["seconds"] / 1e9 for k in range(args.repeats)])
+            for method in ("publish", "publish_xxh3"):
+                case[f"{method}_hash_phase_s"] = summarize([by[(method, k)]["hash_phase_s"] for k in range(args.repeats)])
+                case[f"{method}_write_phase_s"] = summarize([by[(method, k)]["write_phase_s"] for k in range(args.repeats)])
+            cases.append(case)
+    payload = {"benchmark": "checkpoint_cost", "command": command_line(), "machine": info, "settings": vars(args), "hashing_gbps": hashing,
+               "cases": cases, "runs": measured, "total_s": time.perf_counter() - started}
+    write_results(args.name, payload, render_markdown(payload), results_dir)
+    return 0
+
+
+def render_markdown(payload: dict) -> str:
+    settings, hashing = payload["settings"], payload["hashing_gbps"]
+    lines = [
+        f"### Checkpoint cost ({settings['ranks']} ranks, {settings['repeats']} rounds; times are the slowest rank's)",
+        "",
+        machine_line(payload["machine"]),
+        "Hashing in memory, one thread: " + ", ".join(f"{name} {fmt(value)} GB/s" for name, value in hashing.items()) + ".",
+        "",
+        "Ratios of times, each against a baseline of the same round: median [min–max]. Plain = DeepSpeed's own `save_checkpoint` of the "
+        "same engine (page cache, no fsync); target: publish <= 1.25 x plain.",
+        "",
+    ]
+    rows = []
+    for case in payload["cases"]:
+        rows.append([f"ZeRO-{case['stage']} {case['size']} ({case['parameters'] / 1e6:.1f}M params, {case['bytes'] / 2**20:.0f} MiB)",
+                     fmt_summary(case["plain"], 2), fmt_summary(case["plain+fsync/plain"]), fmt_summary(case["publish/plain"]),
+                     fmt_summary(case["publish_xxh3/plain"]), fmt_summary(case["publish/plain+fsync"]), fmt_summary(case["publish_xxh3/plain+fsync"]),
+                     fmt_summary(case["disk/plain"]), fmt_summary(case["disk_gbps"], 2),
+                     f"{fmt(case['publish_write_phase_s']['median'])} / {fmt(case['publish_hash_phase_s']['median'])}"])
+    lines.append(markdown_table(["case", "plain save (s)", "plain + fsync ÷ plain", "publish sha256 ÷ plain", "publish xxh3 ÷ plain",
+                                 "publish sha256 ÷ (plain + fsync)", "publish xxh3 ÷ (plain + fsync)",
+                                 "disk write+fsync of the same bytes ÷ plain", "disk GB/s (both ranks, fsync)",
+                                 "publish sha256: write / fsync+hash phase (s)"], rows))
+    lines += ["", f"Command: `{payload['command']}` ({payload['total_s'] / 60:.1f} min)."]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

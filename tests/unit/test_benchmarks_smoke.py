@@ -1,0 +1,85 @@
+"""Smoke tests of benchmarks/: each starts on a tiny size and writes its result files.
+
+Benchmarks are not tests (CI does not run them for their numbers); these only check that each one
+still runs against the current trainer and writes JSON + Markdown. The launching ones are `slow`.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO, child_env
+
+BENCHMARKS = REPO / "benchmarks"
+
+
+def run_benchmark(script: str, tmp_path, *args: str, timeout: int = 300) -> dict:
+    name = script.removesuffix(".py")
+    command = [sys.executable, str(BENCHMARKS / script), "--results-dir", str(tmp_path), "--name", name, *args]
+    completed = subprocess.run(command, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout)
+    assert completed.returncode == 0, f"{script} failed:\n{completed.stdout[-3000:]}\n{completed.stderr[-3000:]}"
+    assert (tmp_path / f"{name}.md").read_text().strip()
+    return json.loads((tmp_path / f"{name}.json").read_text())
+
+
+def test_statistics_and_tables():
+    from benchmarks.common import fmt_summary, markdown_table, model_init, parameter_count, summarize
+
+    summary = summarize([1.0, 3.0, 2.0])
+    assert summary["median"] == 2.0 and summary["spread"] == 1.0 and fmt_summary(summary) == "2.00 [1.00–3.00]"
+    assert summarize([])["median"] is None
+    assert markdown_table(["a", "b"], [[1, "x"]]).splitlines()[2] == "| 1 | x |"
+    assert parameter_count(model_init("small", 256)) == 8_390_912  # the issue's 8.4M reference Llama
+
+
+def test_expected_zero_fractions():
+    from benchmarks.memory_scaling import expected_bytes
+
+    assert sum(expected_bytes(0, 100, 2).values()) == 1200
+    assert sum(expected_bytes(2, 100, 2).values()) == 1000  # 4P + 12P/N
+    assert sum(expected_bytes(3, 100, 2).values()) == 800  # 16P/N
+
+
+def test_launch_times_progress_fragments_on_arrival():
+    from benchmarks.common import launch
+
+    code = "import sys, time\nfor i in range(3):\n    sys.stderr.write('\\rbar %d' % i); sys.stderr.flush(); time.sleep(0.3)\nsys.stderr.write('\\n')\nprint('done')"
+    result = launch([sys.executable, "-c", code], env=child_env())
+    times = {text: t for t, text in result.lines}
+    assert result.returncode == 0 and set(times) >= {"bar 0", "bar 1", "bar 2"}
+    assert times["bar 1"] - times["bar 0"] < 0.6  # stamped when written, not when the next "\r" came
+    assert 0 in result.peak_rss_mib
+
+
+@pytest.mark.slow
+def test_trainer_overhead_smoke(tmp_path):
+    result = run_benchmark("trainer_overhead.py", tmp_path, "--size", "tiny", "--seq-len", "32", "--steps", "3", "--warmup", "1",
+                           "--repeats", "1", "--variants", "torch_w1,astrai_w1", "--peak-seconds", "0.1")
+    assert {run["variant"] for run in result["runs"]} == {"torch_w1", "astrai_w1"}
+    assert all(run["returncode"] == 0 and run["tokens_per_s"] > 0 for run in result["runs"])
+    assert result["ratios"][0]["baseline"] == "torch_w1"
+
+
+@pytest.mark.slow
+def test_checkpoint_cost_smoke(tmp_path):
+    result = run_benchmark("checkpoint_cost.py", tmp_path, "--sizes", "tiny", "--stages", "2", "--repeats", "1", "--hash-mib", "4", "--ranks", "1")
+    case = result["cases"][0]
+    assert case["publish/plain"]["median"] > 0 and result["hashing_gbps"]["sha256"] > 0
+
+
+@pytest.mark.slow
+def test_memory_scaling_smoke(tmp_path):
+    result = run_benchmark("memory_scaling.py", tmp_path, "--size", "tiny", "--stages", "3", "--ranks", "1")
+    ranks = result["stages"]["3"]["ranks"]
+    expected = sum(result["stages"]["3"]["expected"].values())
+    assert len(ranks) == 1 and all(r["parameters"] + r["master"] + r["optimizer"] == pytest.approx(expected, rel=0.05) for r in ranks)
+
+
+@pytest.mark.slow
+def test_rollout_speed_smoke(tmp_path):
+    result = run_benchmark("rollout_speed.py", tmp_path, "--size", "tiny", "--new-tokens", "4", "--prompts", "2", "--repeats", "1", "--skip-zero3")
+    assert "skipped" in result or result["summary"]["generate"]["median"] > 0
