@@ -236,6 +236,11 @@ class Engine:
 
     def step(self) -> None:
         """Call after every micro-batch; DeepSpeed updates on the accumulation boundary."""
+        if self.zero_stage == 0 and self._engine.is_gradient_accumulation_boundary():
+            # Without ZeRO, DeepSpeed clips with torch's clip_grad_norm_ and drops the norm it returns
+            # (get_global_grad_norm() stays None): take it here, from the reduced gradients it clips.
+            gradients = [p.grad for p in self.module.parameters() if p.grad is not None]
+            self._stage0_grad_norm = float(torch.nn.utils.get_total_norm(gradients)) if gradients else None
         self._engine.step()
 
     def train(self) -> None:
@@ -255,6 +260,8 @@ class Engine:
     @property
     def grad_norm(self) -> float | None:
         norm = self._engine.get_global_grad_norm()
+        if norm is None and self.zero_stage == 0:
+            norm = getattr(self, "_stage0_grad_norm", None)
         return None if norm is None else float(norm)
 
     def save(self, folder: Path) -> None:

@@ -26,6 +26,7 @@ def test_quickstart_job_runs_through_the_real_launcher(tmp_path):
     assert [r["step"] for r in records] == list(range(1, 41))
     for field in ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"):
         assert all(field in r for r in records), field
+    assert all(r["grad_norm"] > 0 for r in records)  # 1 rank runs ZeRO-0, whose norm DeepSpeed itself drops
     assert sum(r["loss"] for r in records[-5:]) / 5 < 0.6 * records[0]["loss"]  # learned something visible
     assert (output / "job.yaml").is_file() and (output / "tokenizer" / "tokenizer.json").is_file()
     published = sorted(p.name for p in (output / "checkpoints").iterdir())

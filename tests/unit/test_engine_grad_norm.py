@@ -1,0 +1,49 @@
+"""A real single-rank DeepSpeed engine in this process: ZeRO-0 reports the gradient norm it clips.
+
+DeepSpeed's non-ZeRO path clips with torch's clip_grad_norm_ and drops the norm, so without our
+Engine taking it the `grad_norm` metric of every 1-rank run (ZeRO-1/2 run as ZeRO-0 there) is null.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from astrai.config.schema import DeepSpeedSection
+from astrai.engine import build_ds_config, make_engine, setup_distributed, shutdown_distributed
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A one-rank process group for this module only (DeepSpeed caches its groups, so one group serves
+    every test here): its RANK/MASTER_PORT must not leak into later tests' subprocess launches."""
+    saved = dict(os.environ)
+    yield setup_distributed(60)
+    shutdown_distributed()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.mark.parametrize("max_grad_norm", [1e-3, 100.0])
+def test_zero0_reports_the_pre_clip_gradient_norm(one_rank, max_grad_norm):
+    dist = one_rank
+    assert dist.world_size == 1
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16))
+    reference = LlamaForCausalLM(model.config)
+    reference.load_state_dict(model.state_dict())
+    config = build_ds_config(DeepSpeedSection(), template_path=None, micro_batch_size=2, grad_accum_steps=1, max_grad_norm=max_grad_norm,
+                             precision="fp32", lr=1e-2, betas=(0.9, 0.999), eps=1e-8, world_size=1)
+    engine = make_engine(model, config, weight_decay=0.0, schedule=lambda completed: 1.0)
+    assert engine.zero_stage == 0 and engine.grad_norm is None
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    reference(input_ids=ids, labels=ids).loss.backward()
+    expected = torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])
+    assert engine.grad_norm == pytest.approx(float(expected), rel=1e-5)
+    assert engine.grad_norm > max_grad_norm or max_grad_norm == 100.0  # the norm before clipping, not after
