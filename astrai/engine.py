@@ -316,6 +316,10 @@ def make_engine(model: torch.nn.Module, ds_config: dict, *, weight_decay: float,
         lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
         dist_init_required=False,
     )
+    if ds_engine.zero_optimization_stage() == 0 and dist.get_world_size() == 1:
+        # An all-reduce over one rank changes nothing and copies every gradient twice (~2% of a step
+        # on a CPU, benchmarks/trainer_overhead.py `ds_z0_noreduce_w1`).
+        ds_engine.enable_backward_allreduce = False
     return Engine(ds_engine, ds_config)
 
 
