@@ -5,6 +5,7 @@
   plot <output_dir> [-o png]     draw every metric of metrics.jsonl against the step
   config-docs                    print the job config reference (docs/guides/config.md)
   launch --config <job.yaml>     start a job on the nodes of its hostfile (docs/guides/distributed.md)
+  convert <checkpoint>           a checkpoint's portable form, to resume on another topology (docs/guides/checkpoints.md)
 """
 
 from __future__ import annotations
@@ -54,7 +55,13 @@ def _launch(argv: list[str]) -> int:
     return launch_main(argv)
 
 
-TOOLS = {"plot": _plot, "verify": _verify, "export-hf": _export_hf, "config-docs": _config_docs, "launch": _launch}
+def _convert(argv: list[str]) -> int:
+    from astrai.topology import convert_main
+
+    return convert_main(argv)
+
+
+TOOLS = {"plot": _plot, "verify": _verify, "export-hf": _export_hf, "config-docs": _config_docs, "launch": _launch, "convert": _convert}
 
 
 def main(argv: list[str] | None = None) -> int:

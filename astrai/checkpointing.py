@@ -22,6 +22,7 @@ from astrai.checkpoint import CheckpointError, CheckpointPublisher, find_latest,
 from astrai.config import dump_job
 from astrai.engine import all_gather_objects, barrier
 from astrai.metrics import METRICS_FILE, trim_metrics
+from astrai.topology import continue_position, load_portable_part, resume_source
 
 logger = logging.getLogger("astrai.checkpointing")
 
@@ -88,7 +89,7 @@ class TrainingCheckpoints:
         meta = {
             "train_type": run.job.train.train_type,
             "zero_stage": {name: engine.zero_stage for name, engine in run.engines.items()},
-            "precision": {name: engine.ds_config["bf16"]["enabled"] and "bf16" or "fp32" for name, engine in run.engines.items()},
+            "precision": {name: engine.precision for name, engine in run.engines.items()},
             "world_size": run.dist.world_size,
             **run.strategy.checkpoint_meta(),
         }
@@ -134,8 +135,13 @@ class TrainingCheckpoints:
         elif run.job.checkpoint.verify_on_load:
             report = verify_checkpoint(path)
             logger.info("verified %s: %d files, %d bytes in %.2f s", path, report.files, report.bytes, report.seconds)
+        # A different world size, ZeRO stage or precision: DeepSpeed's shards cannot load as they are.
+        portable = resume_source(run, path, manifest)
         for name in required:
-            run.engines[name].load(path if plain_deepspeed else path / name)
+            if portable is not None:
+                load_portable_part(run.engines[name], portable / name)
+            else:
+                run.engines[name].load(path if plain_deepspeed else path / name)
         state_file = path / STATE_FILE
         if state_file.is_file():
             state = TrainerState(**json.loads(state_file.read_text()))
@@ -149,6 +155,7 @@ class TrainingCheckpoints:
             # Per-rank RNG cannot carry over to another world size: reseed deterministically instead.
             torch.manual_seed(run.job.train.seed * 7919 + state.step * 31 + run.dist.rank)
             logger.warning("world size changed (%d -> %d): RNG reseeded per rank from (seed, step, rank)", state.world_size, run.dist.world_size)
+        state.consumed_samples = continue_position(state.consumed_samples, getattr(run.strategy, "order", run.order).samples_per_micro_step)
         state.epoch = run.order.epoch_of(state.consumed_samples)
         logger.info("resumed from %s at step %d (%d samples consumed)", path, state.step, state.consumed_samples)
         return state

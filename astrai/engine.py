@@ -25,6 +25,7 @@ import torch.distributed as dist
 logger = logging.getLogger("astrai.engine")
 
 DS_TAG = "state"  # DeepSpeed tag folder inside each engine's checkpoint part
+PARAMETER_NAMES_KEY = "astrai_parameter_names"  # in ZeRO-0 model_states files: parameter names per optimizer group
 
 
 @dataclass(frozen=True)
@@ -228,6 +229,13 @@ class Engine:
     def device(self) -> torch.device:
         return self._engine.device
 
+    @property
+    def precision(self) -> str:
+        """`bf16`, `fp16` or `fp32`: the training dtype, as recorded in checkpoint manifests."""
+        if self.ds_config["bf16"]["enabled"]:
+            return "bf16"
+        return "fp16" if self.ds_config.get("fp16", {}).get("enabled") else "fp32"
+
     def __call__(self, *args, **kwargs):
         return self._engine(*args, **kwargs)
 
@@ -266,8 +274,21 @@ class Engine:
 
     def save(self, folder: Path) -> None:
         """DeepSpeed's own files (every rank's shards) under `folder`; no `latest` file (the publisher
-        decides what is published)."""
-        self._engine.save_checkpoint(str(folder), tag=DS_TAG, save_latest=False)
+        decides what is published). ZeRO-0 files do not name the optimizer's parameters (ZeRO files
+        do): their names per optimizer group are added, so a topology change can read them."""
+        names = self._parameter_names_by_group() if self.zero_stage == 0 else None
+        client_state = {PARAMETER_NAMES_KEY: names} if names else {}
+        self._engine.save_checkpoint(str(folder), tag=DS_TAG, client_state=client_state, save_latest=False)
+
+    def _parameter_names_by_group(self) -> list[list[str]] | None:
+        """Names of the module's parameters per optimizer group, in the optimizer's order (ZeRO-0)."""
+        optimizer = self._engine.optimizer
+        names = {id(parameter): name for name, parameter in self.module.named_parameters()}
+        # bf16/fp16 ZeRO-0 wraps the torch optimizer (its groups hold fp32 copies); `fp16_groups` are the module's.
+        groups = getattr(optimizer, "fp16_groups", None) or [group["params"] for group in getattr(optimizer, "param_groups", None) or []]
+        if not groups or not all(id(parameter) in names for group in groups for parameter in group):
+            return None
+        return [[names[id(parameter)] for parameter in group] for group in groups]
 
     def load(self, folder: Path, *, with_optimizer: bool = True) -> None:
         tag = DS_TAG if (Path(folder) / DS_TAG).is_dir() else None  # None: a plain DeepSpeed dir with `latest`
@@ -276,6 +297,41 @@ class Engine:
         )
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint found in {folder}")
+
+    def load_full_state(self, source) -> None:
+        """Set weights, Adam moments and step, LR schedule and step counters from full (unpartitioned)
+        fp32 tensors, whatever this engine's ZeRO stage and world size: the load side of a topology change.
+
+        `source` (a `portable.PortablePart`): `.names` (trainable parameters), `.tensor(key, name)` the
+        full fp32 tensor of `key` ("fp32", "exp_avg", "exp_avg_sq") shaped like the parameter, and `.info`
+        (`optimizer_step`, `lr_scheduler` state, `global_steps`, `global_samples`, `skipped_steps`).
+        Every rank calls it. DeepSpeed's universal loader is a ZeRO-optimizer feature (nothing loads into
+        ZeRO-0), so `portable.fill_*` fill each layout, as that loader does for the ones it knows.
+        """
+        named = {name: parameter for name, parameter in self.module.named_parameters() if parameter.requires_grad}
+        missing, unknown = sorted(set(named) - set(source.names)), sorted(set(source.names) - set(named))
+        if missing or unknown:
+            raise ValueError(f"the checkpoint's parameters differ from the model's: missing {missing[:5]}, unknown {unknown[:5]}")
+        from astrai.portable import fill_flat_partitions, fill_plain, fill_wrapped, fill_zero3
+
+        optimizer, step = self._engine.optimizer, source.info.optimizer_step
+        if self.zero_stage == 3:
+            fill_zero3(optimizer, named, source, step)
+        elif any(hasattr(parameter, "_hp_mapping") for parameter in named.values()):  # ZeRO-1/2, bf16 optimizer
+            fill_flat_partitions(optimizer, named, source, step)
+        elif hasattr(optimizer, "fp16_groups"):  # ZeRO-0 in bf16/fp16: DeepSpeed's FP16_Optimizer
+            fill_wrapped(optimizer, named, source, step)
+        elif isinstance(optimizer, torch.optim.Optimizer):  # ZeRO-0 in fp32: the optimizer holds the module's parameters
+            fill_plain(optimizer, named, source, step)
+        else:
+            raise ValueError(f"cannot load a full state into a {type(optimizer).__name__} (ZeRO-{self.zero_stage})")
+        info, scheduler = source.info, self._engine.lr_scheduler
+        if info.lr_scheduler is not None and scheduler is not None:
+            scheduler.load_state_dict(dict(info.lr_scheduler))
+            for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr  # load_state_dict restores the schedule's position, not the optimizer's current lr
+        self._engine.global_steps, self._engine.global_samples = info.global_steps, info.global_samples
+        self._engine.skipped_steps = info.skipped_steps
 
     @contextlib.contextmanager
     def gathered_parameters(self):
