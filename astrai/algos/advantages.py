@@ -4,7 +4,7 @@
   or A_i = r_i - mean(group) with `normalize_std=False` (Liu et al. 2025, "Dr. GRPO": dividing by the
   std favours groups that are almost all right or all wrong). std is the unbiased (n - 1) one, as in
   TRL and OpenRLHF.
-- `gae`: generalised advantage estimation (Schulman et al. 2016) over the response tokens, with
+- `gae` (public name `compute_gae`): generalised advantage estimation (Schulman et al. 2016) over the response tokens, with
   the episode ending after the last valid token (terminal: the value there is 0).
 - `kl_shaped_rewards`: the per-token reward of RLHF PPO (Ziegler et al. 2019; Ouyang et al. 2022):
   -kl_coef * KL on every token, plus the sequence reward on the last one.
@@ -80,6 +80,15 @@ def gae(
         advantages = torch.zeros_like(rewards)
     advantages = torch.where(valid, advantages, torch.zeros_like(advantages))
     return advantages, advantages + values
+
+
+def compute_gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The public name of `gae` (other tools call it positionally): (advantages, returns), each
+    [batch, response_len], from per-token rewards, values and a 0/1 mask of valid response tokens
+    [batch, response_len] (right-padded). See `gae` for the recursion and the terminal convention."""
+    return gae(rewards, values, mask, gamma=gamma, lam=lam)
 
 
 def kl_shaped_rewards(

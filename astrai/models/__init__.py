@@ -1,1 +1,1 @@
-"""Models: the policy (any transformers causal LM), tokenizers, later the critic and reference."""
+"""Models: the policy (any transformers causal LM), the online_ppo critic (`value.ValueModel`), tokenizers."""

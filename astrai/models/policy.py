@@ -37,12 +37,20 @@ def build_policy(model_config, tokenizer: PreTrainedTokenizerBase, seed: int) ->
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **extra)
     else:
         model = load_causal_lm(model_config.path, **extra)
-    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
-        raise ModelError(f"tokenizer has {len(tokenizer)} tokens but the model's embedding has {model.get_input_embeddings().weight.shape[0]}")
+    rows = embedding_rows(model)
+    if len(tokenizer) > rows:
+        raise ModelError(f"tokenizer has {len(tokenizer)} tokens but the model's embedding has {rows}")
     if model_config.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
     return model
+
+
+def embedding_rows(model) -> int:
+    """Rows of the input embedding; under ZeRO-3 partitioned loading the local tensor is empty and
+    DeepSpeed keeps the full shape in `ds_shape`."""
+    weight = model.get_input_embeddings().weight
+    return int(getattr(weight, "ds_shape", weight.shape)[0])
 
 
 def load_causal_lm(path: str | Path, **kwargs) -> PreTrainedModel:
