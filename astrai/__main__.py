@@ -2,7 +2,7 @@
 
   verify <checkpoint>            re-hash a checkpoint against its manifest
   export-hf <checkpoint> <dest>  write a checkpoint as a Hugging Face model folder (docs/guides/export.md)
-  plot <output_dir> [-o png]     draw every metric of metrics.jsonl against the step
+  plot <output_dir> [-o png]     draw every metric (or --metrics a,b) of metrics.jsonl against the step
   config-docs                    print the job config reference (docs/guides/config.md)
   launch --config <job.yaml>     start a job on the nodes of its hostfile (docs/guides/distributed.md)
   convert <checkpoint>           a checkpoint's portable form, to resume on another topology (docs/guides/checkpoints.md)
@@ -18,11 +18,12 @@ def _plot(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m astrai plot", description="Plot every numeric metric against the step.")
     parser.add_argument("output_dir", help="a run's output_dir (or a metrics.jsonl file)")
     parser.add_argument("-o", "--output", default=None, help="PNG path (default: <output_dir>/curves.png)")
+    parser.add_argument("--metrics", default=None, help="comma-separated metric names to draw, in that order (default: every one)")
     args = parser.parse_args(argv)
     from astrai.plot import plot_metrics
 
     try:
-        path = plot_metrics(args.output_dir, args.output)
+        path = plot_metrics(args.output_dir, args.output, args.metrics.split(",") if args.metrics else None)
     except (FileNotFoundError, ValueError) as error:
         print(f"astrai plot: {error}", file=sys.stderr)
         return 1

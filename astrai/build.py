@@ -15,6 +15,7 @@ from astrai.data.sampler import ShardedOrder
 from astrai.data.sources import iter_texts, load_rows
 from astrai.engine import DistInfo, Engine, barrier, build_ds_config, lr_lambda, make_engine, resolve_precision, zero3_loading
 from astrai.models.policy import build_policy
+from astrai.models.value import build_value_model
 from astrai.models.tokenizer import build_tokenizer, load_tokenizer, save_tokenizer
 from astrai.strategies import Strategy, strategy_class
 
@@ -90,6 +91,22 @@ def warmup_steps(job: JobConfig, steps: int) -> int:
     return round((job.train.warmup_ratio or 0.0) * steps)
 
 
+def build_critic(job: JobConfig, dist: DistInfo, source: str, tokenizer, steps: int, updates: int) -> Engine:
+    """online_ppo's value model in its own engine: own ZeRO stage, AdamW (critic.lr, weight decay),
+    LR schedule over every step's updates (warmup rollouts included) and gradient clipping."""
+    critic, train = job.critic, job.train
+    ds_config = engine_config(
+        job, source, lr=critic.lr or train.lr, max_grad_norm=critic.max_grad_norm or train.max_grad_norm,
+        world_size=dist.world_size, zero_stage=critic.zero_stage,
+    )
+    with zero3_loading(ds_config, job.model.zero3_init and (critic.path or job.model.path) is not None):
+        model = build_value_model(job.model, tokenizer, train.seed, critic.path)
+    warmup = critic.warmup_steps if critic.warmup_steps is not None else warmup_steps(job, steps)
+    schedule = lr_lambda(steps * updates, warmup * updates, critic.lr_schedule or train.lr_schedule, train.min_lr_ratio)
+    weight_decay = critic.weight_decay if critic.weight_decay is not None else train.weight_decay
+    return make_engine(model, ds_config, weight_decay=weight_decay, schedule=schedule)
+
+
 def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
     output_dir = Path(job.output_dir)
     rows = load_rows(job.data.path, job.data.format, output_dir / "cache" / "datasets")
@@ -104,15 +121,20 @@ def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
     with zero3_loading(ds_config, job.model.zero3_init and job.model.path is not None):
         model = build_policy(job.model, tokenizer, job.train.seed)
     # DeepSpeed steps the schedule once per optimizer update; an online step (one rollout) makes several.
+    # The policy does not step during online_ppo's critic warmup rollouts, so its schedule spans the rest.
     updates = strategy.optimizer_steps_per_step(dist.world_size)
-    schedule = lr_lambda(steps * updates, warmup_steps(job, steps) * updates, job.train.lr_schedule, job.train.min_lr_ratio)
+    policy_steps = steps - (job.critic.warmup_rollouts if "critic" in strategy.engine_parts else 0)
+    schedule = lr_lambda(policy_steps * updates, warmup_steps(job, policy_steps) * updates, job.train.lr_schedule, job.train.min_lr_ratio)
     policy = make_engine(model, ds_config, weight_decay=job.train.weight_decay, schedule=schedule)
+    engines = {"policy": policy}
+    if "critic" in strategy.engine_parts:
+        engines["critic"] = build_critic(job, dist, source, tokenizer, steps, updates)
     logger.info(
         "%s: %d samples, %d steps of %d samples, ZeRO-%d, %s, %.2fM parameters, %d threads per rank",
         job.train.train_type, len(dataset), steps, job.train.micro_batch_size * job.train.grad_accum_steps * dist.world_size,
         policy.zero_stage, resolve_precision(job.model.dtype), sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()) / 1e6,
         torch.get_num_threads(),
     )
-    run = Run(job, dist, output_dir, tokenizer, strategy, dataset, order, steps, {"policy": policy}, skipped)
+    run = Run(job, dist, output_dir, tokenizer, strategy, dataset, order, steps, engines, skipped)
     strategy.setup(run)
     return run

@@ -1,7 +1,7 @@
 """The trainer's side of checkpoints: what goes into one, and how a run resumes from it.
 
 `astrai/checkpoint/` publishes and verifies directories and knows nothing of training; this module
-decides the content: one DeepSpeed folder per engine (`policy/`, later `critic/`), the trainer
+decides the content: one DeepSpeed folder per engine (`policy/`, online_ppo's `critic/`), the trainer
 state (step, data position, per-rank RNG) and the resolved job.
 """
 
@@ -38,6 +38,7 @@ class TrainerState:
     elapsed_s: float = 0.0
     world_size: int = 1
     rng: list[str] = field(default_factory=list)  # one encoded RNG snapshot per rank
+    strategy: dict = field(default_factory=dict)  # the strategy's own state (online_ppo: the KL controller)
 
 
 def capture_rng() -> str:
@@ -126,7 +127,7 @@ class TrainingCheckpoints:
     def _load(self, path: Path) -> TrainerState:
         run = self.run
         manifest = read_manifest(path)
-        required = run.strategy.required_parts
+        required = run.strategy.parts_to_resume(path)
         plain_deepspeed = manifest is None and is_plain_deepspeed_dir(path) and len(required) == 1
         if not plain_deepspeed:
             require_parts(path, required)  # names the missing part before any training step

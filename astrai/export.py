@@ -1,6 +1,8 @@
 """Hugging Face export: a checkpoint's consolidated weights -> a folder `from_pretrained` loads.
 
 `python -m astrai export-hf <checkpoint> <destination>` (and `export.on_finish` at the end of a run).
+`--part critic` writes an online_ppo critic in the layout of `astrai/models/value.py` (its trunk as a
+transformers base-model folder, plus value_head.safetensors).
 The policy is trained as an unchanged transformers module, so DeepSpeed's consolidated state dict
 already uses Hugging Face parameter names: the "key map" of this adapter is the identity, except for
 tied weights (`lm_head.weight` is an alias of the input embedding), which are dropped from the dict
@@ -68,8 +70,6 @@ def check_checkpoint(checkpoint: Path, part: str, verify: bool) -> None:
     if part == "critic":
         if not (checkpoint / "critic").is_dir():
             raise ExportError(f"{checkpoint}: checkpoint has no critic part (only online_ppo jobs have one)")
-        # Honest until the ValueModel critic and its HF layout exist: no half-right export.
-        raise ExportError(f"{checkpoint}: exporting the critic is not implemented yet (its Hugging Face layout is not defined)")
     if verify:
         try:
             report = verify_checkpoint(checkpoint)
@@ -144,9 +144,28 @@ def build_skeleton(job, tokenizer):
         raise ExportError(f"cannot rebuild the model of the job: {error}") from None
 
 
+def critic_skeleton(job, tokenizer):
+    """The critic (`ValueModel`: trunk + value head) on the meta device: the trunk of `critic.path`'s
+    architecture when the run started its critic there, else of the policy's."""
+    from transformers import AutoConfig, AutoModel
+
+    from astrai.models.value import ValueModel, trunk_of
+
+    if job.critic.path is None:
+        trunk = trunk_of(build_skeleton(job, tokenizer))
+    elif not Path(job.critic.path).is_dir():
+        raise ExportError(f"critic.path {job.critic.path!r} of the job is not a folder here: its config.json gives the critic's architecture")
+    else:
+        with torch.device("meta"):
+            trunk = AutoModel.from_config(AutoConfig.from_pretrained(job.critic.path, local_files_only=True), dtype=torch.float32)
+    with torch.device("meta"):
+        return ValueModel(trunk)
+
+
 def tied_aliases(model) -> dict[str, str]:
-    """{alias: source} of the weights this model ties (e.g. lm_head.weight -> embed_tokens.weight)."""
-    if not getattr(model.config, "tie_word_embeddings", False):
+    """{alias: source} of the weights this model ties (e.g. lm_head.weight -> embed_tokens.weight).
+    A critic has no lm_head, so nothing of it is tied."""
+    if not getattr(model.config, "tie_word_embeddings", False) or not hasattr(model, "get_expanded_tied_weights_keys"):
         return {}
     return dict(model.get_expanded_tied_weights_keys(all_submodels=True))
 
@@ -299,13 +318,14 @@ def export_checkpoint(
     check_destination(destination, overwrite)  # fail before the slow part
     job = load_checkpoint_job(checkpoint)
     tokenizer = load_export_tokenizer(job, checkpoint, tokenizer_dir)
-    model = build_skeleton(job, tokenizer)
+    model = critic_skeleton(job, tokenizer) if part == "critic" else build_skeleton(job, tokenizer)
     try:
         state = consolidated_state_dict(checkpoint / part)
     except (OSError, ValueError, KeyError) as error:
         raise ExportError(f"cannot read the DeepSpeed weights in {checkpoint / part}: {error}") from None
     load_weights(model, prepare_state(state, model, DTYPES[dtype]), DTYPES[dtype])
-    set_generation_config(model, tokenizer, job)
+    if part == "policy":
+        set_generation_config(model, tokenizer, job)
 
     destination.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(destination)

@@ -22,7 +22,8 @@ def numeric_series(records: list[dict]) -> dict[str, tuple[list[int], list[float
     return series
 
 
-def plot_metrics(output_dir: str | Path, destination: str | Path | None = None) -> Path:
+def plot_metrics(output_dir: str | Path, destination: str | Path | None = None, names: list[str] | None = None) -> Path:
+    """Draw each metric (or only `names`, in that order) against the step into one PNG; returns its path."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -33,12 +34,17 @@ def plot_metrics(output_dir: str | Path, destination: str | Path | None = None) 
     if not source.is_file():
         raise FileNotFoundError(f"no {METRICS_FILE} at {output_dir}")
     series = numeric_series(read_metrics(source))
+    if names:
+        unknown = [name for name in names if name not in series]
+        if unknown:
+            raise ValueError(f"{source} has no numeric metric {', '.join(unknown)} (it has: {', '.join(sorted(series))})")
+        series = {name: series[name] for name in names}
     if not series:
         raise ValueError(f"{source} holds no numeric metric")
     columns = min(3, len(series))
     rows = math.ceil(len(series) / columns)
     figure, axes = plt.subplots(rows, columns, figsize=(4.5 * columns, 3 * rows), squeeze=False)
-    for axis, (name, (steps, values)) in zip(axes.flat, sorted(series.items())):
+    for axis, (name, (steps, values)) in zip(axes.flat, series.items() if names else sorted(series.items())):
         axis.plot(steps, values, linewidth=1.2)
         axis.set_title(name)
         axis.set_xlabel("step")

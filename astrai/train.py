@@ -22,13 +22,20 @@ from pathlib import Path
 
 logger = logging.getLogger("astrai")
 
+# online_ppo shorthands: `--ppo_gamma 0.99` is `--set rl.gamma=0.99` (applied after every --set).
+SHORTHANDS = {"ppo_gamma": "rl.gamma", "ppo_gae_lambda": "rl.gae_lambda", "ppo_vf_coef": "rl.vf_coef"}
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="astrai/train.py", description="Train a model from one job YAML.")
     parser.add_argument("--config", required=True, help="job YAML (see docs/guides/config.md)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a key (value parsed as YAML); repeatable")
+    for option, key in SHORTHANDS.items():
+        parser.add_argument(f"--{option}", type=float, default=None, metavar="X", help=f"online_ppo: the same as --set {key}=X")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.set = args.set + [f"{key}={getattr(args, option)!r}" for option, key in SHORTHANDS.items() if getattr(args, option) is not None]
+    return args
 
 
 def load_and_check(config_path: str, overrides: list[str]):

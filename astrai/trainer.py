@@ -3,9 +3,10 @@
 `train_offline` serves `seq`, `sft` and `dpo`: batches -> strategy loss -> engine backward/step ->
 metrics -> publish a checkpoint every N steps and at the end. Steps count optimizer updates from 1.
 
-`train_online` serves `grpo` (and later `online_ppo`): prompts -> rollout -> frozen targets ->
-replay epochs over minibatches -> engine steps -> metrics -> checkpoint. A step is one rollout;
-`policy_version` counts the optimizer updates (rl.epochs_per_rollout x minibatches per step).
+`train_online` serves `grpo` and `online_ppo`: prompts -> rollout -> frozen targets -> replay epochs
+over minibatches -> engine steps (the policy, and online_ppo's critic beside it) -> metrics ->
+checkpoint. A step is one rollout; `policy_version` counts the policy's optimizer updates
+(rl.epochs_per_rollout x minibatches per step); critic updates never change it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,15 @@ def _global_sums(sums: dict[str, float], device: torch.device) -> dict[str, floa
         tensor = tensor.to(device)
         torch.distributed.all_reduce(tensor)
     return dict(zip(keys, tensor.tolist()))
+
+
+def _close_step(run: Run, state: TrainerState, record: dict, metrics: MetricsLog, checkpoints: TrainingCheckpoints) -> None:
+    """End of every step of either loop: log (every log_every_steps and the last), then publish when due."""
+    if state.step % run.job.train.log_every_steps == 0 or state.step == run.total_steps:
+        metrics.log(state.step, record)
+    metrics.advance()
+    if checkpoints.due(state.step, run.total_steps):
+        checkpoints.save(state, metrics)
 
 
 def train_offline(run: Run) -> TrainerState:
@@ -81,49 +91,59 @@ def train_offline(run: Run) -> TrainerState:
             record = {key: value / weight for key, value in totals.items()}
             record.update(lr=lr, grad_norm=policy.grad_norm, tokens=int(tokens), tokens_per_s=tokens / step_seconds,
                           elapsed_s=state.elapsed_s, epoch=state.epoch, samples=state.consumed_samples)
-            if step % job.train.log_every_steps == 0 or step == run.total_steps:
-                metrics.log(step, record)
-            metrics.advance()
-            if checkpoints.due(step, run.total_steps):
-                checkpoints.save(state, metrics)
+            _close_step(run, state, record, metrics, checkpoints)
     finally:
         metrics.close()
     return state
 
 
+PER_LOSS_UNIT = ("loss", "policy_loss", "value_loss")  # divided by the loss units (`weight`); other training sums by tokens
+
+
 def _online_record(totals: dict[str, float]) -> dict[str, float]:
-    """Global sums -> metrics: `loss` per loss unit (`weight`: tokens or responses), every other
-    training sum (kl, clip_frac, entropy) per response token, plus the rollout's own metrics."""
+    """Global sums -> metrics: losses per loss unit (`weight`: tokens or responses), every other
+    training sum (kl, clip_frac, approx_kl, entropy, value_clip_frac) per response token, plus the
+    rollout's own metrics (rewards, lengths; online_ppo's pinned targets and explained variance)."""
     training = {key: value for key, value in totals.items() if not key.startswith("rollout/")}
     weight, tokens = max(training.pop("weight", 1.0), 1.0), max(training.pop("tokens", 1.0), 1.0)
-    record = {"loss": training.pop("loss", 0.0) / weight, **{key: value / tokens for key, value in training.items()}}
+    record = {key: value / (weight if key in PER_LOSS_UNIT else tokens) for key, value in training.items()}
     record.update(rollout_metrics(totals))
     return record
 
 
+def _add(sums: dict[str, float], output) -> None:
+    for key, value in output.sums.items():
+        sums[key] += value
+
+
 def train_online(run: Run) -> TrainerState:
     job, strategy, policy = run.job, run.strategy, run.engines["policy"]
+    critic = run.engines.get("critic")  # online_ppo's value model: its own engine, optimizer and clipping
     accumulation, world, device = job.train.grad_accum_steps, run.dist.world_size, run.dist.device
     checkpoints = TrainingCheckpoints(run)
-    state = checkpoints.resume()  # restores the policy, the policy version and the prompt position
+    state = checkpoints.resume()  # restores the engines, the policy version and the prompt position
+    strategy.load_state_dict(state.strategy)  # e.g. the adaptive KL coefficient
     metrics = MetricsLog(
         run.output_dir, is_main=run.dist.is_main, total_steps=run.total_steps, start_step=state.step,
         tensorboard=job.runtime.tensorboard, progress_bar=job.runtime.progress_bar,
     )
     prompt_batches = strategy.prompt_batches(state.consumed_samples)
     run_started = time.perf_counter() - state.elapsed_s
-    policy.train()
+    for engine in run.engines.values():
+        engine.train()
     try:
         for step in range(state.step + 1, run.total_steps + 1):
             # 1. Rollout: group_size responses to each of this rank's prompts, from the current weights.
             rollout_started = time.perf_counter()
             rollout = strategy.rollout(policy, next(prompt_batches), step=step, policy_version=state.policy_version)
-            # 2. Frozen targets: rewards, reference log-probs, advantages; fixed for every epoch below.
+            # 2. Frozen targets: rewards, reference log-probs, values, advantages, returns; fixed for every epoch below.
             targets = strategy.frozen_targets(rollout)
             rollout_seconds = time.perf_counter() - rollout_started
-            # 3. Replay: each minibatch is one optimizer step of `accumulation` micro-batches per rank.
+            # 3. Replay: each minibatch is one optimizer step of `accumulation` micro-batches per rank, for
+            # the policy (unless a critic warmup step) and the critic alike. Only policy steps count as versions.
             train_started = time.perf_counter()
-            lr, sums = policy.lr, defaultdict(float)
+            trains_policy = strategy.trains_policy(step)
+            lr, critic_lr, sums = policy.lr, critic.lr if critic is not None else None, defaultdict(float)
             for epoch in range(job.rl.epochs_per_rollout):
                 for micro_batches in strategy.minibatches(targets, step=step, epoch=epoch):
                     # As offline: one divisor for every micro-batch and rank of the optimizer step, so the
@@ -131,26 +151,33 @@ def train_online(run: Run) -> TrainerState:
                     loss_weight = all_reduce_sum(sum(strategy.loss_weight(batch) for batch in micro_batches), device)
                     normalizer = max(loss_weight, 1.0) / (world * accumulation)
                     for batch in micro_batches:
-                        output = strategy.compute_loss(policy, batch, normalizer)
-                        policy.backward(output.loss)
-                        policy.step()
-                        for key, value in output.sums.items():
-                            sums[key] += value
-                    state.policy_version += 1
+                        if trains_policy:
+                            output = strategy.compute_loss(policy, batch, normalizer)
+                            policy.backward(output.loss)
+                            policy.step()
+                            _add(sums, output)
+                        if critic is not None:
+                            output = strategy.compute_critic_loss(critic, batch, normalizer)
+                            critic.backward(output.loss)
+                            critic.step()
+                            _add(sums, output)
+                        sums["tokens"] += float(batch["response_mask"].sum())
+                        sums["weight"] += float(strategy.loss_weight(batch))
+                    if trains_policy:
+                        state.policy_version += 1
             train_seconds = time.perf_counter() - train_started
             # 4. Metrics and checkpoint.
             state.step = step
             state.consumed_samples += job.rollout.prompts_per_step  # prompts, across all ranks
             state.epoch = strategy.prompt_epoch(state.consumed_samples)
             state.elapsed_s = time.perf_counter() - run_started
+            state.strategy = strategy.state_dict()
             record = _online_record(_global_sums({**sums, **rollout.metric_sums()}, device))
             record.update(lr=lr, grad_norm=policy.grad_norm, rollout_s=rollout_seconds, train_s=train_seconds,
                           policy_version=state.policy_version, elapsed_s=state.elapsed_s, epoch=state.epoch, samples=state.consumed_samples)
-            if step % job.train.log_every_steps == 0 or step == run.total_steps:
-                metrics.log(step, record)
-            metrics.advance()
-            if checkpoints.due(step, run.total_steps):
-                checkpoints.save(state, metrics)
+            if critic is not None:
+                record.update(policy_grad_norm=policy.grad_norm, critic_grad_norm=critic.grad_norm, critic_lr=critic_lr)
+            _close_step(run, state, record, metrics, checkpoints)
     finally:
         metrics.close()
     return state

@@ -18,6 +18,25 @@ def repo() -> Path:
     return REPO
 
 
+@pytest.fixture(scope="module")
+def one_rank():
+    """A one-rank gloo process group in this process, for one test module's in-process DeepSpeed engines.
+
+    Torn down after the module with DeepSpeed's cached clone of the world group, so that a later module
+    can create its own; the launcher variables it sets (RANK, MASTER_PORT, ...) must not leak into later
+    tests' subprocess launches either."""
+    import deepspeed.utils.groups
+
+    from astrai.engine import setup_distributed, shutdown_distributed
+
+    saved = dict(os.environ)
+    yield setup_distributed(60)
+    shutdown_distributed()
+    deepspeed.utils.groups._WORLD_GROUP = None  # else the next engine broadcasts over the destroyed group
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """Environment for launched ranks: the repo importable, no hub, quiet progress output."""
     env = dict(os.environ)

@@ -205,20 +205,75 @@ class RolloutConfig(Section):
 
 
 class RlConfig(Section):
-    epochs_per_rollout: int = Field(1, ge=1, description="Passes over each rollout; targets (rewards, advantages, behaviour and reference log-probs) stay fixed across them.")
+    epochs_per_rollout: int = Field(1, ge=1, description="Passes over each rollout; targets (rewards, advantages, returns, behaviour and reference log-probs) stay fixed across them.")
     minibatch_size: int | None = Field(
         None, ge=1, description="Sequences per optimizer step across all ranks; must equal train.micro_batch_size x train.grad_accum_steps x ranks (null: that product)."
     )
+    clip_eps: float | None = Field(None, gt=0, lt=1, description="Symmetric PPO clip: sets clip_eps_low, and clip_eps_high unless given (null: use clip_eps_low/high).")
     clip_eps_low: float = Field(0.2, gt=0, lt=1, description="PPO clip: the ratio's lower bound is 1 - clip_eps_low.")
     clip_eps_high: float | None = Field(None, gt=0, description="The ratio's upper bound is 1 + clip_eps_high (DAPO's clip-higher uses 0.28; null: clip_eps_low).")
-    kl_coef: float = Field(0.04, ge=0, description="Weight of the k3 KL to the reference model in the loss (GRPO paper: 0.04); 0 skips the reference model entirely.")
+    dual_clip_c: float | None = Field(None, gt=1, description="`online_ppo`: dual-clip (Ye et al. 2020) caps a negative-advantage token's loss at -A x c (e.g. 3; null: off).")
+    kl_coef: float = Field(
+        0.04, ge=0, description="Weight of the KL to the reference: in the loss for `grpo` (GRPO paper: 0.04), in the per-token reward for `online_ppo` "
+        "(see rl.kl_in_reward); the starting value when rl.target_kl is set. 0 (without target_kl) skips the reference model entirely."
+    )
     kl_max_log_ratio: float | None = Field(10.0, gt=0, description="Clamp |log pi - log pi_ref| here before k3 (whose exp overflows past ~88); null: no clamp.")
     normalize_advantage_std: bool = Field(
-        True, description="Advantages (r - group mean) / (group std + 1e-6) as in GRPO; false: r - group mean only (Dr. GRPO)."
+        True, description="`grpo`: advantages (r - group mean) / (group std + 1e-6) as in GRPO; false: r - group mean only (Dr. GRPO)."
     )
     loss_aggregation: Literal["token_mean", "sequence_mean"] = Field(
         "token_mean", description="`token_mean`: every response token of the optimizer step weighs the same; `sequence_mean`: every response does (GRPO paper)."
     )
+    gamma: float = Field(1.0, ge=0, le=1, description="`online_ppo`: GAE discount per response token (1: no discount within a response).")
+    gae_lambda: float = Field(0.95, ge=0, le=1, description="`online_ppo`: GAE lambda (1: Monte Carlo returns, 0: one-step TD).")
+    vf_coef: float = Field(
+        1.0, gt=0, description="`online_ppo`: multiplier of the critic's loss. The critic has its own optimizer, so this trades off nothing against the "
+        "policy loss: with AdamW it mostly moves where critic.max_grad_norm starts clipping (docs/guides/rl.md)."
+    )
+    value_clip: float | None = Field(0.2, gt=0, description="`online_ppo`: PPO2 value clipping, |V - V_old| <= value_clip in the clipped branch (null: plain squared error).")
+    whiten_advantages: bool = Field(True, description="`online_ppo`: whiten the GAE advantages over the valid tokens of the whole step (all ranks).")
+    kl_in_reward: bool = Field(
+        True, description="`online_ppo`: -kl_coef x KL(behaviour, reference) in every token's reward (Ziegler et al.); false: kl_coef x k3 in the loss, as `grpo`."
+    )
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="`online_ppo`: per-token KL estimator in the shaped reward (Schulman's k1, k2, k3).")
+    target_kl: float | None = Field(
+        None, gt=0, description="`online_ppo`: adaptive KL coefficient (Ziegler et al. 2019) steering the KL, in nats per response, to this value (null: fixed kl_coef)."
+    )
+    kl_horizon: float = Field(10000.0, gt=0, description="`online_ppo`: horizon of the adaptive KL controller, in responses.")
+    reward_clip: float | None = Field(None, gt=0, description="`online_ppo`: clip each sequence reward to [-reward_clip, reward_clip] before shaping (null: off).")
+    reward_normalization: Literal["none", "batch"] = Field(
+        "none", description="`online_ppo`: `batch` standardises the sequence rewards over all responses of the step (all ranks) before shaping."
+    )
+    entropy_coef: float = Field(0.0, ge=0, description="`online_ppo`: entropy bonus, minus entropy_coef x the token-mean entropy in the policy loss.")
+
+    @model_validator(mode="after")
+    def _clip_alias(self) -> "RlConfig":
+        if self.clip_eps is not None:
+            if "clip_eps_low" in self.model_fields_set and self.clip_eps_low != self.clip_eps:
+                raise ValueError(f"give `rl.clip_eps` ({self.clip_eps}) or `rl.clip_eps_low` ({self.clip_eps_low}), not both")
+            self.clip_eps_low = self.clip_eps
+            if self.clip_eps_high is None:
+                self.clip_eps_high = self.clip_eps
+        if self.target_kl is not None and self.kl_coef == 0:
+            raise ValueError("`rl.target_kl` adapts rl.kl_coef multiplicatively: give a starting `rl.kl_coef` > 0")
+        return self
+
+
+class CriticConfig(Section):
+    """The value model of `online_ppo`: its own DeepSpeed engine, optimizer, schedule and clipping."""
+
+    path: str | None = Field(
+        None, description="Start the critic from this folder: a critic export (`export-hf --part critic`) or any transformers model, whose "
+        "trunk is used with a zero value head. null: the policy's starting weights (model.path or model.init with train.seed). Also lets a resume "
+        "from a checkpoint without critic/ start a new critic."
+    )
+    lr: float | None = Field(None, gt=0, description="Critic peak learning rate (null: train.lr).")
+    weight_decay: float | None = Field(None, ge=0, description="Critic AdamW weight decay (null: train.weight_decay).")
+    max_grad_norm: float | None = Field(None, gt=0, description="Clip the critic's gradient norm to this (null: train.max_grad_norm).")
+    lr_schedule: Literal["cosine", "linear", "constant"] | None = Field(None, description="Critic LR decay after warmup (null: train.lr_schedule).")
+    warmup_steps: int | None = Field(None, ge=0, description="Critic linear warmup, in steps (rollouts) as train.warmup_steps (null: the policy's warmup).")
+    zero_stage: Literal[0, 1, 2, 3] | None = Field(None, description="ZeRO stage of the critic's engine (null: the policy's).")
+    warmup_rollouts: int = Field(0, ge=0, description="Train only the critic on the first N rollouts (the policy is frozen and policy_version stays 0).")
 
 
 class RewardComponent(Section):
@@ -267,6 +322,7 @@ class JobConfig(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Sampling of the online train types (`grpo`, `online_ppo`): prompts per step, group size, sampler.")
     rl: RlConfig = Field(default_factory=RlConfig, description="Policy optimisation of the online train types: replay epochs, minibatches, clipping, KL, advantages.")
     reward: RewardConfig | None = Field(None, description="Reward of the online train types: a function, a reward model, an HTTP service, or weighted components.")
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="The value model of `online_ppo`: starting weights, optimizer, clipping, ZeRO stage, warmup.")
 
     @model_validator(mode="after")
     def _online_sections(self) -> "JobConfig":
@@ -278,6 +334,8 @@ class JobConfig(Section):
             raise ValueError("online train types count steps in rollouts: give `train.max_steps` (not `train.epochs`)")
         if self.train.train_type == "grpo" and self.rollout.group_size < 2:
             raise ValueError("grpo compares each response with the others of its group: `rollout.group_size` must be >= 2")
+        if self.train.train_type == "online_ppo" and self.critic.warmup_rollouts >= self.train.max_steps:
+            raise ValueError(f"`critic.warmup_rollouts` ({self.critic.warmup_rollouts}) leaves no step of `train.max_steps` ({self.train.max_steps}) to train the policy")
         return self
 
     @model_validator(mode="after")

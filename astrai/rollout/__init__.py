@@ -7,9 +7,11 @@ call these; nothing here knows which train type is running.
 
 from astrai.rollout.generation import RolloutResult, generate_rollout, rollout_metrics, sampling_seed
 from astrai.rollout.rewards import RewardError, RewardScores, build_reward, reward_inputs
-from astrai.rollout.sequences import join_sequences, left_pad, response_logits, response_logprobs, response_mask
+from astrai.rollout.sequences import (
+    frozen_response_values, join_sequences, left_pad, response_logits, response_logprobs, response_mask, response_values,
+)
 
 __all__ = [
-    "RewardError", "RewardScores", "RolloutResult", "build_reward", "generate_rollout", "join_sequences", "left_pad",
-    "response_logits", "response_logprobs", "response_mask", "reward_inputs", "rollout_metrics", "sampling_seed",
+    "RewardError", "RewardScores", "RolloutResult", "build_reward", "frozen_response_values", "generate_rollout", "join_sequences",
+    "left_pad", "response_logits", "response_logprobs", "response_mask", "response_values", "reward_inputs", "rollout_metrics", "sampling_seed",
 ]

@@ -91,6 +91,20 @@ def response_logits(model, sequences: dict[str, torch.Tensor], temperature: floa
     return logits if temperature == 1.0 else logits / temperature
 
 
+def response_values(critic, sequences: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The critic's value of each response token's state: [N, R] float32, 0 on padding.
+
+    `critic` maps input_ids, attention_mask, position_ids [N, P + R] to values [N, P + R] (a
+    `ValueModel` or its engine). Like the logits, V_t for response token t is read at column
+    P + t - 1: the state in which token t is chosen (the prompt and response tokens before it).
+    """
+    values = critic(input_ids=sequences["input_ids"], attention_mask=sequences["attention_mask"], position_ids=sequences["position_ids"])
+    response_len = sequences["response_ids"].shape[1]
+    prompt_len = sequences["input_ids"].shape[1] - response_len
+    values = values[:, prompt_len - 1 : prompt_len - 1 + response_len]
+    return torch.where(sequences["response_mask"].bool(), values, torch.zeros_like(values))
+
+
 def masked_token_logprobs(logits: torch.Tensor, response_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """log p(response token) [N, R] float32 from response logits [N, R, vocab]; 0 where mask is 0."""
     logprobs = token_logprobs(logits, response_ids)
@@ -110,4 +124,15 @@ def response_logprobs(model, sequences: dict[str, torch.Tensor], *, temperature:
         chunk = {key: value[start : start + batch_size] for key, value in sequences.items()}
         logits = response_logits(model, chunk, temperature)
         parts.append(masked_token_logprobs(logits, chunk["response_ids"], chunk["response_mask"]))
+    return torch.cat(parts)
+
+
+@torch.no_grad()
+def frozen_response_values(critic, sequences: dict[str, torch.Tensor], *, batch_size: int) -> torch.Tensor:
+    """`response_values` without gradient, `batch_size` sequences at a time: [N, R] float32. Under ZeRO-3
+    every rank must call it with the same N, as `response_logprobs`."""
+    total = sequences["input_ids"].shape[0]
+    parts = []
+    for start in range(0, total, batch_size):
+        parts.append(response_values(critic, {key: value[start : start + batch_size] for key, value in sequences.items()}))
     return torch.cat(parts)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -19,7 +20,8 @@ class StepOutput:
 class Strategy:
     name: ClassVar[str]
     loop: ClassVar[str]  # "offline" or "online"
-    required_parts: ClassVar[tuple[str, ...]] = ("policy",)
+    required_parts: ClassVar[tuple[str, ...]] = ("policy",)  # what a checkpoint must hold to resume this train type
+    engine_parts: ClassVar[tuple[str, ...]] = ("policy",)  # the trainable engines build_run makes (online_ppo adds "critic")
 
     def __init__(self, job, tokenizer):
         self.job = job
@@ -29,6 +31,10 @@ class Strategy:
     def prepare_data(self, rows):
         """Raw rows -> (tokenised datasets.Dataset, number of malformed rows skipped)."""
         raise NotImplementedError
+
+    def parts_to_resume(self, checkpoint: Path) -> tuple[str, ...]:
+        """The engine parts a resume from `checkpoint` must load; a missing one fails the resume, named."""
+        return self.required_parts
 
     @classmethod
     def check_job(cls, job, world_size: int) -> None:
@@ -44,6 +50,13 @@ class Strategy:
     def checkpoint_meta(self) -> dict:
         """Facts a checkpoint of this train type records in its manifest (e.g. the reference used)."""
         return {}
+
+    def state_dict(self) -> dict:
+        """What the strategy itself must carry across a resume (e.g. an adaptive KL coefficient); JSON-able."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`'s mapping ({} for a checkpoint that has none)."""
 
     def collate(self, rows: list[dict]) -> dict:
         raise NotImplementedError

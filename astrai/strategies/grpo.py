@@ -23,7 +23,7 @@ import torch
 
 from astrai.algos.advantages import grpo_advantages
 from astrai.algos.kl import kl_k3
-from astrai.algos.masked import masked_aggregate, masked_sum
+from astrai.algos.masked import masked_sum
 from astrai.algos.ppo import broadcast_sequence_advantages, entropy_from_logits, ppo_policy_loss
 from astrai.rollout import RolloutResult, response_logits, response_logprobs
 from astrai.rollout.sequences import masked_token_logprobs
@@ -52,18 +52,6 @@ class GrpoStrategy(OnlineStrategy):
             )
         return targets
 
-    def loss_weight(self, batch: dict) -> int:
-        """Loss units of the micro-batch: response tokens (token_mean) or responses (sequence_mean)."""
-        if self.job.rl.loss_aggregation == "token_mean":
-            return int(batch["response_mask"].sum())
-        return batch["response_mask"].shape[0]
-
-    def _aggregate(self, per_token: torch.Tensor, mask: torch.Tensor, normalizer: float) -> torch.Tensor:
-        """Sum of this micro-batch's unit losses / normalizer (see `loss_weight`)."""
-        if self.job.rl.loss_aggregation == "token_mean":
-            return masked_aggregate(per_token, mask, "global", normalizer)
-        return masked_aggregate(per_token, mask, "sequence_mean") * mask.shape[0] / normalizer
-
     def compute_loss(self, policy, batch: dict, normalizer: float) -> StepOutput:
         """Clipped surrogate + kl_coef * k3, over response tokens [B, R]; `normalizer` = the optimizer
         step's global loss units / (ranks x accumulation), so DeepSpeed's averaging yields their mean."""
@@ -78,7 +66,7 @@ class GrpoStrategy(OnlineStrategy):
         )
         loss = policy_loss.loss if token_mean else policy_loss.loss * mask.shape[0] / normalizer
         tokens = float(mask.sum())
-        sums = {"clip_frac": float(policy_loss.clip_fraction) * tokens, "tokens": tokens, "weight": float(self.loss_weight(batch))}
+        sums = {"clip_frac": float(policy_loss.clip_fraction) * tokens}
         if self.reference is not None:
             kl = kl_k3(logprobs, batch["reference_logprobs"], max_log_ratio=settings.kl_max_log_ratio)
             loss = loss + settings.kl_coef * self._aggregate(kl, mask, normalizer)

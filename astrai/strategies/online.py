@@ -24,8 +24,9 @@ from astrai.data.sampler import ShardedOrder
 from astrai.engine import make_frozen_engine
 from astrai.models.policy import build_policy
 from astrai.rollout import RolloutResult, build_reward, generate_rollout, reward_inputs, sampling_seed
+from astrai.algos.masked import masked_aggregate
 from astrai.rollout.prompts import decode_prompt_row, prompt_batch
-from astrai.strategies.base import Strategy
+from astrai.strategies.base import StepOutput, Strategy
 
 logger = logging.getLogger("astrai.online")
 
@@ -135,6 +136,26 @@ class OnlineStrategy(Strategy):
 
     def frozen_targets(self, rollout: RolloutResult) -> dict[str, torch.Tensor]:
         raise NotImplementedError
+
+    def trains_policy(self, step: int) -> bool:
+        """Whether this step updates the policy (online_ppo's critic warmup steps do not)."""
+        return True
+
+    def compute_critic_loss(self, critic, batch: dict, normalizer: float) -> StepOutput:
+        """The critic's loss on one micro-batch (train types with a `critic` engine)."""
+        raise NotImplementedError
+
+    def loss_weight(self, batch: dict) -> int:
+        """Loss units of the micro-batch: response tokens (token_mean) or responses (sequence_mean)."""
+        if self.job.rl.loss_aggregation == "token_mean":
+            return int(batch["response_mask"].sum())
+        return batch["response_mask"].shape[0]
+
+    def _aggregate(self, per_token: torch.Tensor, mask: torch.Tensor, normalizer: float) -> torch.Tensor:
+        """Sum of this micro-batch's unit losses / normalizer (see `loss_weight`)."""
+        if self.job.rl.loss_aggregation == "token_mean":
+            return masked_aggregate(per_token, mask, "global", normalizer)
+        return masked_aggregate(per_token, mask, "sequence_mean") * mask.shape[0] / normalizer
 
     def minibatches(self, targets: dict[str, torch.Tensor], *, step: int, epoch: int) -> Iterator[list[dict[str, torch.Tensor]]]:
         """One list of grad_accum_steps micro-batches per optimizer step, over a fresh permutation of this

@@ -55,6 +55,9 @@ def main() -> None:
     write_jsonl(out / "text.jsonl", texts)
     write_jsonl(out / "preference.jsonl", pairs)
     write_jsonl(out / "prompts.jsonl", prompts)
+    # The PPO quickstart's prompts: few enough that a CPU run of minutes can learn their answers (and
+    # its critic their values), while the SFT model answers about 1 in 8 of them at the start.
+    write_jsonl(out / "prompts_64.jsonl", prompts[:64])
     print(f"wrote {len(rows)} rows of each kind to {out}")
 
 

@@ -6,25 +6,12 @@ Engine taking it the `grad_norm` metric of every 1-rank run (ZeRO-1/2 run as ZeR
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from astrai.config.schema import DeepSpeedSection
-from astrai.engine import build_ds_config, make_engine, setup_distributed, shutdown_distributed
-
-
-@pytest.fixture(scope="module")
-def one_rank():
-    """A one-rank process group for this module only (DeepSpeed caches its groups, so one group serves
-    every test here): its RANK/MASTER_PORT must not leak into later tests' subprocess launches."""
-    saved = dict(os.environ)
-    yield setup_distributed(60)
-    shutdown_distributed()
-    os.environ.clear()
-    os.environ.update(saved)
+from astrai.engine import build_ds_config, make_engine
 
 
 @pytest.mark.parametrize("max_grad_norm", [1e-3, 100.0])

@@ -148,11 +148,11 @@ def test_first_update_loss_by_hand(tokenizer, rollout_and_models):
     expected = -(targets["advantages"][:, None] * mask).sum() / tokens
     assert output.loss.item() == pytest.approx(expected.item(), abs=1e-6)
     assert output.sums["clip_frac"] == 0.0 and output.sums["kl"] == pytest.approx(0.0, abs=1e-6)
-    assert output.sums["tokens"] == output.sums["weight"] == tokens.item() and output.sums["entropy"] > 0
+    assert strategy.loss_weight(targets) == tokens.item() and output.sums["entropy"] > 0  # the loop sums tokens and weight
     per_sequence = strategy_with(job(rl={"loss_aggregation": "sequence_mean"}), tokenizer, policy, reference=policy)
     output = per_sequence.compute_loss(PlainEngine(policy), targets, normalizer=8.0)
     expected = (-(targets["advantages"][:, None] * mask).sum(1) / mask.sum(1)).mean()
-    assert output.loss.item() == pytest.approx(expected.item(), abs=1e-6) and output.sums["weight"] == 8.0
+    assert output.loss.item() == pytest.approx(expected.item(), abs=1e-6) and per_sequence.loss_weight(targets) == 8
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
