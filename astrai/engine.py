@@ -216,6 +216,19 @@ class Engine:
     def __init__(self, ds_engine, ds_config: dict):
         self._engine = ds_engine
         self.ds_config = ds_config
+        self._stage0_grad_norm: float | None = None
+        if self.zero_stage == 0:
+            # Without ZeRO (fp32), DeepSpeed clips with its clip_grad_norm_ and drops the norm it returns
+            # (get_global_grad_norm() stays None). Keep that norm instead of a second pass over every
+            # gradient (~1.3% of a step of the benchmark's 8.4M Llama on a CPU).
+            ds_engine.clip_fp32_gradients = self._clip_and_keep_norm
+
+    def _clip_and_keep_norm(self) -> None:
+        from deepspeed.runtime.utils import clip_grad_norm_
+
+        engine = self._engine
+        norm = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(), mpu=engine.mpu)
+        self._stage0_grad_norm = float(norm)
 
     @property
     def module(self) -> torch.nn.Module:
@@ -244,9 +257,8 @@ class Engine:
 
     def step(self) -> None:
         """Call after every micro-batch; DeepSpeed updates on the accumulation boundary."""
-        if self.zero_stage == 0 and self._engine.is_gradient_accumulation_boundary():
-            # Without ZeRO, DeepSpeed clips with torch's clip_grad_norm_ and drops the norm it returns
-            # (get_global_grad_norm() stays None): take it here, from the reduced gradients it clips.
+        if self.zero_stage == 0 and not self._engine.gradient_clipping() > 0 and self._engine.is_gradient_accumulation_boundary():
+            # No clipping, so DeepSpeed computes no norm: take it from the reduced gradients.
             gradients = [p.grad for p in self.module.parameters() if p.grad is not None]
             self._stage0_grad_norm = float(torch.nn.utils.get_total_norm(gradients)) if gradients else None
         self._engine.step()
@@ -269,7 +281,7 @@ class Engine:
     def grad_norm(self) -> float | None:
         norm = self._engine.get_global_grad_norm()
         if norm is None and self.zero_stage == 0:
-            norm = getattr(self, "_stage0_grad_norm", None)
+            norm = self._stage0_grad_norm
         return None if norm is None else float(norm)
 
     def save(self, folder: Path) -> None:
