@@ -105,7 +105,10 @@ def load_export_tokenizer(job, checkpoint: Path, tokenizer_dir: str | Path | Non
     elif job.tokenizer.build is not None:
         # The checkpoint's own run first: a relative output_dir in job.yaml is relative to wherever
         # training ran, and could name another run's tokenizer from here.
-        run_dir = checkpoint.resolve().parent.parent if checkpoint.resolve().parent.name == "checkpoints" else None
+        # <run>/checkpoints/step_<N>, or its portable form <run>/checkpoints/portable/step_<N>.
+        folder = checkpoint.resolve().parent
+        folder = folder.parent if folder.name == "portable" else folder
+        run_dir = folder.parent if folder.name == "checkpoints" else None
         candidates = ([run_dir / "tokenizer"] if run_dir else []) + [Path(job.output_dir) / "tokenizer"]
     else:
         candidates = [Path(job.tokenizer.path or job.model.path)]
@@ -195,6 +198,20 @@ def prepare_state(state: dict[str, torch.Tensor], model, dtype: torch.dtype) -> 
     for name in tqdm(sorted(state), desc=f"export: weights to {dtype}", unit="tensor", disable=not show):
         converted[name] = state.pop(name).to(dtype).contiguous()
     return converted
+
+
+def part_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Full fp32 weights of one part: a portable form's fp32.safetensors as is (`python -m astrai
+    convert`, or a resume on another topology), else DeepSpeed's own consolidation of its shards."""
+    from astrai.portable import INFO_FILE
+
+    if (folder / INFO_FILE).is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(folder / "fp32.safetensors"))
+    from astrai.engine import consolidated_state_dict
+
+    return consolidated_state_dict(folder)
 
 
 def load_weights(model, state: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
@@ -309,8 +326,6 @@ def export_checkpoint(
     tokenizer_dir: str | Path | None = None,
 ) -> Path:
     """Export one checkpoint's `part` as a Hugging Face folder at `destination`; returns its path."""
-    from astrai.engine import consolidated_state_dict
-
     if dtype not in DTYPES:
         raise ExportError(f"--dtype: unknown dtype {dtype!r} (use one of {', '.join(DTYPES)})")
     checkpoint, destination = Path(checkpoint_dir), Path(destination)
@@ -320,7 +335,7 @@ def export_checkpoint(
     tokenizer = load_export_tokenizer(job, checkpoint, tokenizer_dir)
     model = critic_skeleton(job, tokenizer) if part == "critic" else build_skeleton(job, tokenizer)
     try:
-        state = consolidated_state_dict(checkpoint / part)
+        state = part_weights(checkpoint / part)
     except (OSError, ValueError, KeyError) as error:
         raise ExportError(f"cannot read the DeepSpeed weights in {checkpoint / part}: {error}") from None
     load_weights(model, prepare_state(state, model, DTYPES[dtype]), DTYPES[dtype])

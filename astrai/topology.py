@@ -34,10 +34,11 @@ from pathlib import Path
 
 from astrai.checkpoint import CheckpointError, CheckpointPublisher, find_latest, read_manifest, verify_checkpoint
 from astrai.checkpoint.manifest import MANIFEST_NAME
+from astrai.checkpoint.layout import DERIVED_DIRS
 
 logger = logging.getLogger("astrai.topology")
 
-PORTABLE_DIR = "portable"
+PORTABLE_DIR = DERIVED_DIRS[0]  # "portable"; retention removes a portable form with its checkpoint
 LAYOUT = "portable"
 SCRATCH = ".convert-scratch"  # inside the staging folder: removed before the publish, or with the staging folder
 

@@ -4,6 +4,7 @@
 <checkpoints_dir>/step_00000500/                    published, complete, immutable
 <checkpoints_dir>/.step_00000500.staging-<hex>/     being written; never read as a checkpoint
 <checkpoints_dir>/.step_00000500.retired-<hex>/     being deleted, or the old payload of a republish
+<checkpoints_dir>/portable/step_00000500/           a derived form of step_00000500 (same names inside)
 ```
 Hidden names start with a dot so that tools globbing `step_*` never pick them up.
 Unpadded `step_500` is accepted when reading (older runs, hand-made copies); steps sort numerically.
@@ -16,6 +17,9 @@ import uuid
 from pathlib import Path
 
 STEP_PREFIX = "step_"
+# Folders of derived forms of a checkpoint, published as <checkpoints_dir>/<folder>/step_<N> by
+# their own tools (astrai/topology.py's portable form); retention removes them with step_<N>.
+DERIVED_DIRS = ("portable",)
 _PUBLISHED = re.compile(r"step_(\d+)")
 _HIDDEN = re.compile(r"\.step_(\d+)\.(staging|retired)-([0-9A-Za-z]+)")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from . import fs
 from .errors import CheckpointError
-from .layout import list_hidden, list_published, retired_dir_name, step_dir_name
+from .layout import DERIVED_DIRS, list_hidden, list_published, retired_dir_name, step_dir_name
 from .manifest import MANIFEST_NAME, read_manifest
 from .verify import verify_checkpoint
 
@@ -72,6 +72,21 @@ def apply_retention(checkpoints_dir: Path, keep_last: int, protect: Path) -> lis
             logger.info("retention (keep_last=%d): removing checkpoint %s", keep_last, path)
             remove_checkpoint(path, step)
             deleted.append(path)
+    deleted += remove_orphaned_derived(checkpoints_dir)
+    return deleted
+
+
+def remove_orphaned_derived(checkpoints_dir: Path) -> list[Path]:
+    """Delete derived forms (`portable/step_<N>`) whose original `step_<N>` is no longer published,
+    the same durable way; a derived form of a kept checkpoint stays."""
+    published = {step for step, _ in list_published(checkpoints_dir)}
+    deleted = []
+    for folder in DERIVED_DIRS:
+        for step, path in list_published(checkpoints_dir / folder):
+            if step not in published:
+                logger.info("retention: removing %s (its checkpoint step_%d is gone)", path, step)
+                remove_checkpoint(path, step)
+                deleted.append(path)
     return deleted
 
 

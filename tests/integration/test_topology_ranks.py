@@ -22,6 +22,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from astrai.checkpoint import find_latest, read_manifest, verify_checkpoint
@@ -116,6 +117,20 @@ def test_converted_form_sits_next_to_the_untouched_original(runs, source, world_
     resumed = {"w1": "w1_to_w2z3", "w2z3": "z3_to_z2", "w2z2": "w2z2_to_w1"}[source]
     manifest = read_manifest(folder / resumed / "checkpoints" / "step_00000008")
     assert manifest.meta["world_size"] == world_size and manifest.meta["zero_stage"] == {"policy": stage}
+
+
+def test_export_reads_the_portable_form(runs, tmp_path):
+    """export-hf of the portable form writes the same model as export-hf of the original ZeRO-3 shards."""
+    from astrai.export import export_checkpoint
+
+    folder, _, _ = runs
+    original = folder / "w2z3" / STEP4
+    exports = {name: export_checkpoint(path, tmp_path / name) for name, path in
+               (("original", original), ("portable", original.parent / "portable" / original.name))}
+    weights = {name: load_file(str(path / "model.safetensors")) for name, path in exports.items()}
+    assert weights["original"].keys() == weights["portable"].keys() and len(weights["original"]) > 5
+    assert all(torch.equal(weights["original"][key], weights["portable"][key]) for key in weights["original"])
+    assert (exports["portable"] / "tokenizer.json").is_file() or (exports["portable"] / "tokenizer_config.json").is_file()
 
 
 def test_conversion_is_logged_with_the_rules(runs):

@@ -192,6 +192,20 @@ def test_retention_keeps_the_newest(tmp_path):
     assert hidden_names(tmp_path) == []
 
 
+def test_retention_removes_a_derived_form_with_its_checkpoint(tmp_path):
+    (tmp_path / "step_00000000" / "policy").mkdir(parents=True)  # legacy original: its derived form stays
+    publisher, derived = CheckpointPublisher(tmp_path, keep_last=2), CheckpointPublisher(tmp_path / "portable")
+    for step in (0, 1, 2):
+        if step:
+            publisher.publish(step, payload_writer(str(step)))
+        derived.publish(step, payload_writer(f"portable {step}"))
+    report = publisher.publish(3, payload_writer("3"))
+    assert report.removed == (tmp_path / "step_00000001", tmp_path / "portable" / "step_00000001")
+    assert published_names(tmp_path / "portable") == ["step_00000000", "step_00000002"]
+    assert hidden_names(tmp_path / "portable") == []
+    verify_checkpoint(tmp_path / "portable" / "step_00000002")
+
+
 def test_retention_never_deletes_the_one_just_published_nor_the_newest_valid(tmp_path):
     keep_all = CheckpointPublisher(tmp_path)
     for step in (10, 20, 30):
