@@ -7,6 +7,7 @@ silently falls back to a default.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -175,15 +176,12 @@ class ServeConfig(Section):
 
 
 class ExportConfig(Section):
-    hf_dir: str | None = Field(None, description="Folder for a Hugging Face export of the final policy.")
+    hf_dir: str | None = Field(
+        None, description="Folder for a Hugging Face export of the final policy (null: `<output_dir>/hf`, so a run moved by "
+        "`--set output_dir=...` never overwrites another run's export)."
+    )
     dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Dtype of the exported weights.")
     on_finish: bool = Field(False, description="Export when the run ends.")
-
-    @model_validator(mode="after")
-    def _destination(self) -> "ExportConfig":
-        if self.on_finish and not self.hf_dir:
-            raise ValueError("`export.on_finish: true` needs `export.hf_dir`")
-        return self
 
 
 class DpoConfig(Section):
@@ -336,6 +334,12 @@ class JobConfig(Section):
             raise ValueError("grpo compares each response with the others of its group: `rollout.group_size` must be >= 2")
         if self.train.train_type == "online_ppo" and self.critic.warmup_rollouts >= self.train.max_steps:
             raise ValueError(f"`critic.warmup_rollouts` ({self.critic.warmup_rollouts}) leaves no step of `train.max_steps` ({self.train.max_steps}) to train the policy")
+        return self
+
+    @model_validator(mode="after")
+    def _export_destination(self) -> "JobConfig":
+        if not self.export.hf_dir:
+            self.export.hf_dir = str(Path(self.output_dir) / "hf")
         return self
 
     @model_validator(mode="after")

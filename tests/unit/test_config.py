@@ -91,6 +91,14 @@ def test_set_overrides_parse_values_as_yaml(tmp_path):
     assert job.runtime.environment == {"FOO": "bar"}
 
 
+def test_export_goes_under_the_output_dir_unless_given(tmp_path):
+    """A run moved with --set output_dir=... must not overwrite the default run's export."""
+    assert load_job(write_job(tmp_path)).export.hf_dir == str(tmp_path / "out" / "hf")
+    moved = load_job(str(REPO / "configs/quickstart.yaml"), [f"output_dir={tmp_path / 'elsewhere'}"])
+    assert moved.export.on_finish and moved.export.hf_dir == str(tmp_path / "elsewhere" / "hf")
+    assert load_job(write_job(tmp_path), ["export.hf_dir=/x/hf"]).export.hf_dir == "/x/hf"
+
+
 def test_bad_override_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"--set train\.max_stepz=3: train\.max_stepz: unknown key"):
         load_job(write_job(tmp_path), ["train.max_stepz=3"])
