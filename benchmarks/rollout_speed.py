@@ -1,6 +1,6 @@
 """Rollout speed: generated tokens/s of AstrAI's rollout (`astrai.rollout.generate_rollout`) against plain
 transformers `generate` with KV cache on the same model and prompts, and, under ZeRO-3 on 2 ranks,
-AstrAI's gather-once generation against generating through DeepSpeed's per-module gathers.
+AstrAI's ZeRO-3 sampling (a plain copy, or one gather) against generating through DeepSpeed's per-module gathers.
 
     python benchmarks/rollout_speed.py                       # small model, 8 prompts x 64 new tokens
     python benchmarks/rollout_speed.py --size tiny --new-tokens 8 --repeats 1   (smoke size)
@@ -11,10 +11,13 @@ Launch 1 (1 rank, methods alternated in one process, `--repeats` rounds):
     astrai_sampling   AstrAI's sampling step alone (sample_responses: generate on the engine's module)
     astrai_rollout    generate_rollout: sampling + behaviour log-probs recomputed by the engine forward
 Launch 2 (2 ranks, ZeRO-3):
-    zero3_gather_once         AstrAI's sampling step: one gather of the full weights per rollout
+    zero3_astrai_copy         AstrAI's default sampling step (rollout.zero3_generation: copy): a plain copy
+                              allocated per rollout and filled one gathered parameter at a time
+    zero3_gather_once         AstrAI with rollout.zero3_generation: gather (one gather of every parameter,
+                              generate on the partitioned module, hooks still run)
     zero3_gather_per_forward  generate on the ZeRO-3 module, DeepSpeed gathering each module at each forward
     zero3_astrai_rollout      generate_rollout (sampling + behaviour log-probs), for reference
-    zero3_plain_copy          gather once, copy into a plain module, generate without ZeRO-3 hooks (a candidate)
+    zero3_plain_copy          the benchmark's own copy: state_dict under one gather into a prebuilt plain module
 Tokens counted: generated tokens up to and including the first EOS, summed over ranks.
 """
 
@@ -120,8 +123,10 @@ def worker(plan: dict) -> int:
 
     if stage == 3:
         copy_model = build_model(init, 0).eval()
+        gather_settings = SimpleNamespace(**vars(settings), zero3_generation="gather")
         methods = {
-            "zero3_gather_once": lambda: sample_responses(engine, ids, mask, settings, tokenizer),
+            "zero3_gather_once": lambda: sample_responses(engine, ids, mask, gather_settings, tokenizer),
+            "zero3_astrai_copy": lambda: sample_responses(engine, ids, mask, settings, tokenizer),
             "zero3_gather_per_forward": lambda: plain_generate(engine.module, True, synced=world > 1),
             "zero3_astrai_rollout": astrai_rollout,
             "zero3_plain_copy": zero3_plain_copy,
@@ -164,6 +169,8 @@ RATIOS = [
     ("zero3_gather_once", "zero3_gather_per_forward", "ZeRO-3, 2 ranks: sampling with one gather per rollout vs per-module gathers at every forward"),
     ("zero3_plain_copy", "zero3_gather_per_forward", "ZeRO-3, 2 ranks: gather once into a plain copy (no hooks) vs per-module gathers"),
     ("zero3_plain_copy", "zero3_gather_once", "ZeRO-3, 2 ranks: plain copy vs AstrAI's gather-once sampling"),
+    ("zero3_astrai_copy", "zero3_gather_per_forward", "ZeRO-3, 2 ranks: AstrAI's default sampling (plain copy, filled per parameter) vs per-module gathers (target >= 1.0)"),
+    ("zero3_astrai_copy", "zero3_plain_copy", "ZeRO-3, 2 ranks: AstrAI's plain copy vs the benchmark's own (state_dict under one gather)"),
     ("zero3_astrai_rollout", "zero3_gather_per_forward", "ZeRO-3, 2 ranks: whole AstrAI rollout vs generate with per-module gathers"),
 ]
 

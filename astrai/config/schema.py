@@ -200,6 +200,11 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature; the loss's log-probs use the same temperature, so ratios compare like with like.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling (1: off). Below 1 the ratio ignores the truncation: a small bias.")
     top_k: int = Field(0, ge=0, description="Sample among the k likeliest tokens only (0: off). Same caveat as `top_p`.")
+    zero3_generation: Literal["copy", "gather"] = Field(
+        "copy", description="ZeRO-3 only: `copy` samples from a plain copy of the policy allocated for each rollout (one full copy of the "
+        "weights per rank while sampling; ~5x faster on a CPU); `gather` samples from the partitioned module inside one gather (same peak "
+        "memory, DeepSpeed's hooks at every forward)."
+    )
 
 
 class RlConfig(Section):

@@ -13,10 +13,12 @@ enter the loss. What remains is the sampler's truncation: with top_p < 1 or top_
 from a truncated distribution while the ratio uses the full (temperature-scaled) one, a small bias
 shared by TRL, OpenRLHF and verl; the defaults (top_p 1, top_k 0) have none.
 
-ZeRO-3: generation runs inside `Engine.gathered_parameters()`, one gather of a full copy of the
-weights per rollout (not one per module per token), and with `synced_gpus` so that a rank whose
-responses all ended keeps stepping while others generate (every ZeRO-3 forward is a collective).
-DeepSpeed's own ZeRO-3 module hooks stay installed; see docs/guides/rl.md for what that costs.
+ZeRO-3 (`rollout.zero3_generation`): by default generation runs in a plain, hook-free copy of the
+policy that `Engine.generation_module()` allocates for the rollout and fills one gathered parameter
+at a time, so no rank waits on another while sampling and no DeepSpeed hook runs per token. `gather`
+samples from the partitioned module inside one gather of every parameter instead, with `synced_gpus`
+so that a rank whose responses all ended keeps stepping while others generate (every forward of the
+partitioned module is a collective); its hooks make it ~5x slower on a CPU.
 
 Sampling randomness: each rollout draws from its own seed, `sampling_seed(seed, step, rank)`, in a
 forked RNG, so a resumed run samples the same responses as an uninterrupted one (same world size).
@@ -179,17 +181,18 @@ def sampling_config(settings, tokenizer):
 @torch.no_grad()
 def sample_responses(engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings, tokenizer) -> torch.Tensor:
     """Sampled continuation ids [N, R] (R <= max_new_tokens; finished rows padded with the pad id)."""
-    model = engine.module
-    synced = engine.zero_stage == 3 and dist.is_initialized() and dist.get_world_size() > 1
-    was_training = model.training
-    model.eval()  # no dropout while sampling; the behaviour log-probs come from the training forward anyway
-    try:
-        with engine.gathered_parameters():
+    mode = getattr(settings, "zero3_generation", "copy")
+    # Only the partitioned module's forwards are collectives: then a rank whose responses all ended keeps stepping.
+    synced = engine.zero_stage == 3 and mode == "gather" and dist.is_initialized() and dist.get_world_size() > 1
+    with engine.generation_module(mode) as model:
+        was_training = model.training
+        model.eval()  # no dropout while sampling; the behaviour log-probs come from the training forward anyway
+        try:
             output = model.generate(
                 input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=sampling_config(settings, tokenizer), synced_gpus=synced
             )
-    finally:
-        model.train(was_training)
+        finally:
+            model.train(was_training)
     return output[:, prompt_ids.shape[1] :]
 
 
@@ -207,7 +210,7 @@ def generate_rollout(
 ) -> RolloutResult:
     """Sample `settings.group_size` responses to each prompt and recompute their behaviour log-probs.
 
-    engine: the policy `Engine` (or anything with `.module`, `.zero_stage`, `.gathered_parameters()`
+    engine: the policy `Engine` (or anything with `.module`, `.zero_stage`, `.generation_module()`
     and a forward); prompt_ids: this rank's prompts as token lists (chat template applied);
     messages, rows: per prompt, handed on to the rewards. settings: the `rollout:` config section.
     Every rank must call this with the same number of prompts under ZeRO-3.

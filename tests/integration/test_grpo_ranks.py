@@ -73,7 +73,8 @@ def launched(tmp_path_factory):
     add("split_b", REPLAY + ["train.max_steps=4"], config_name="split")
     # zero3_init off: partitioned loading (transformers' HfDeepSpeedConfig) needs `accelerate`, which
     # this environment lacks; DeepSpeed partitions the loaded copy instead. Generation is what is tested.
-    add("zero3", ["deepspeed.zero_stage=3", "model.zero3_init=false", "train.max_steps=2"])
+    add("zero3", ["deepspeed.zero_stage=3", "model.zero3_init=false", "train.max_steps=2"])  # samples from a plain copy (default)
+    add("zero3_gather", ["deepspeed.zero_stage=3", "model.zero3_init=false", "train.max_steps=2", "rollout.zero3_generation=gather"])
     add("geometry", ["rl.minibatch_size=48", "train.max_steps=2"], expect_error="rl.minibatch_size 48")
     return folder, launch_plan(folder, runs)
 
@@ -117,6 +118,16 @@ def test_zero3_rollout_runs(launched):
     assert results["zero3"]["ok"], results["zero3"]
     records = metrics(folder, "zero3")
     assert len(records) == 2 and records[0]["kl"] == pytest.approx(0.0, abs=1e-6) and 0 <= records[0]["reward_mean"] <= 1
+
+
+def test_zero3_plain_copy_samples_what_the_partitioned_module_samples(launched):
+    """The hook-free copy holds the same weights as the gathered ZeRO-3 module: same seed, same responses,
+    so both runs see the same rewards and make the same updates (step 2 samples from updated weights)."""
+    folder, results = launched
+    assert results["zero3_gather"]["ok"], results["zero3_gather"]
+    copied, gathered = metrics(folder, "zero3"), metrics(folder, "zero3_gather")
+    for field in ("reward_mean", "reward_std", "response_len_mean", "truncated_frac", "loss", "kl", "entropy"):
+        assert [r[field] for r in copied] == pytest.approx([r[field] for r in gathered], rel=1e-6, abs=1e-7), field
 
 
 def test_batch_geometry_error_says_what_to_set(launched):

@@ -42,3 +42,7 @@ class PlainEngine:
     @contextlib.contextmanager
     def gathered_parameters(self):
         yield
+
+    @contextlib.contextmanager
+    def generation_module(self, zero3_mode: str = "copy"):
+        yield self.module
