@@ -206,7 +206,9 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
     for parameter in model.parameters():
         if parameter.requires_grad:
-            (decay if parameter.ndim >= 2 else no_decay).append(parameter)
+            # A parameter loaded partitioned (ZeRO-3 zero3_init) is a flat local shard: its real shape is ds_shape.
+            shape = getattr(parameter, "ds_shape", parameter.shape)
+            (decay if len(shape) >= 2 else no_decay).append(parameter)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

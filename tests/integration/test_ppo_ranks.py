@@ -84,6 +84,8 @@ def launched(tmp_path_factory):
     add("straight", RESUME)
     add("split_a", RESUME + ["train.max_steps=2"], config_name="split")
     add("split_b", RESUME, config_name="split")
+    # The same resume with both engines on another ZeRO stage (policy 2 -> 3, critic 3 -> 2): both convert.
+    add("restaged", RESUME + ["deepspeed.zero_stage=3", "critic.zero_stage=2", f"checkpoint.resume={folder / 'split' / 'checkpoints' / 'step_00000002'}"])
     # A checkpoint with a policy but no critic (as a grpo job leaves): refused before any step.
     lacking = folder / "lacking" / "step_00000002"
     CheckpointPublisher(lacking.parent, parts=["policy"]).publish(2, lambda staging: (staging / "policy").mkdir() or (staging / "policy" / "w").write_text("x"))
@@ -127,6 +129,23 @@ def test_exact_resume_of_policy_critic_and_kl_controller(launched):
     assert manifest["parts"] == ["critic", "policy"] and manifest["meta"]["zero_stage"] == {"critic": 3, "policy": 2}
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     assert state["policy_version"] == 16 and state["strategy"]["kl_controller"]["value"] not in (0.05, straight[0]["kl_coef"])
+
+
+def test_resume_on_other_zero_stages_converts_policy_and_critic(launched):
+    """Steps 3-4 after converting both engines (policy ZeRO-2 -> 3, critic ZeRO-3 -> 2) match the straight
+    run: the same responses are sampled (same seeds, same weights), losses to reduction-order noise."""
+    folder, results = launched
+    assert results["restaged"]["ok"], results["restaged"]
+    straight, restaged = metrics(folder, "straight")[2:], metrics(folder, "restaged")
+    assert [r["step"] for r in restaged] == [3, 4] and [r["policy_version"] for r in restaged] == [12, 16]
+    for field in ("reward_mean", "loss", "policy_loss", "value_loss", "kl", "kl_coef", "values_mean", "returns_mean", "explained_variance"):
+        assert [r[field] for r in restaged] == pytest.approx([r[field] for r in straight], rel=1e-4, abs=1e-6), field
+    portable = folder / "split" / "checkpoints" / "portable" / "step_00000002"
+    assert json.loads((portable / "manifest.json").read_text())["parts"] == ["critic", "policy"]
+    for part in ("policy", "critic"):
+        assert (portable / part / "fp32.safetensors").is_file() and (portable / part / "exp_avg_sq.safetensors").is_file()
+    manifest = json.loads((folder / "restaged" / "checkpoints" / "step_00000004" / "manifest.json").read_text())
+    assert manifest["meta"]["zero_stage"] == {"critic": 2, "policy": 3}
 
 
 def test_resume_without_the_critic_part_is_refused(launched):
