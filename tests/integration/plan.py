@@ -47,6 +47,33 @@ def write_job(folder: Path, name: str, train_type: str = "sft") -> str:
     return str(path)
 
 
+ARITHMETIC_SFT_JOB = """\
+output_dir: {folder}/sft
+model:
+  init: {{model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4,
+          num_key_value_heads: 2, max_position_embeddings: 64, tie_word_embeddings: true}}
+tokenizer:
+  build: {{kind: char}}
+data: {{path: {folder}/sft.jsonl, max_seq_len: 32}}
+train: {{train_type: sft, max_steps: 120, micro_batch_size: 8, lr: 5e-3, lr_schedule: constant, warmup_steps: 0, seed: 7}}
+deepspeed: {{zero_stage: 2}}
+runtime: {{progress_bar: false, tensorboard: false}}
+export: {{hf_dir: {folder}/sft_hf, on_finish: true}}
+"""
+
+
+def arithmetic_sft_run(folder: Path, rows: int = 32) -> dict:
+    """The RL tests' starting point: `rows` shipped arithmetic chats for a short SFT exported to
+    `<folder>/sft_hf`, and `<folder>/prompts.jsonl` whose row i asks the question of chat i.
+    Returns the plan entry of the SFT run (put it first in the launch)."""
+    lines = (REPO / "data/arithmetic/sft.jsonl").read_text().splitlines(keepends=True)[:rows]
+    (folder / "sft.jsonl").write_text("".join(lines))
+    prompts = (REPO / "data/arithmetic/prompts.jsonl").read_text().splitlines(keepends=True)[:rows]
+    (folder / "prompts.jsonl").write_text("".join(prompts))
+    (folder / "sft.yaml").write_text(ARITHMETIC_SFT_JOB.format(folder=folder))
+    return {"name": "sft", "config": str(folder / "sft.yaml")}
+
+
 def launch_plan(folder: Path, runs: list[dict], ranks: int = 2, timeout: int = 900) -> dict:
     """Run every job of `runs` in one launch of `ranks` ranks; returns rank 0's results."""
     plan = folder / "plan.json"

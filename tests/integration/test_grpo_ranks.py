@@ -17,24 +17,9 @@ import json
 
 import pytest
 
-from tests.conftest import REPO
-from tests.integration.plan import launch_plan, metrics
+from tests.integration.plan import arithmetic_sft_run, launch_plan, metrics
 
 pytestmark = pytest.mark.slow
-
-SFT_JOB = """\
-output_dir: {folder}/sft
-model:
-  init: {{model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4,
-          num_key_value_heads: 2, max_position_embeddings: 64, tie_word_embeddings: true}}
-tokenizer:
-  build: {{kind: char}}
-data: {{path: {folder}/sft.jsonl, max_seq_len: 32}}
-train: {{train_type: sft, max_steps: 120, micro_batch_size: 8, lr: 5e-3, lr_schedule: constant, warmup_steps: 0, seed: 7}}
-deepspeed: {{zero_stage: 2}}
-runtime: {{progress_bar: false, tensorboard: false}}
-export: {{hf_dir: {folder}/sft_hf, on_finish: true}}
-"""
 
 GRPO_JOB = """\
 output_dir: {folder}/{name}
@@ -55,12 +40,7 @@ REPLAY = ["rl.epochs_per_rollout=2", "train.grad_accum_steps=2", "checkpoint.eve
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     folder = tmp_path_factory.mktemp("grpo_ranks")
-    lines = (REPO / "data/arithmetic/sft.jsonl").read_text().splitlines(keepends=True)[:32]
-    (folder / "sft.jsonl").write_text("".join(lines))
-    prompts = (REPO / "data/arithmetic/prompts.jsonl").read_text().splitlines(keepends=True)[:32]
-    (folder / "prompts.jsonl").write_text("".join(prompts))  # row i asks the question of chat i
-    (folder / "sft.yaml").write_text(SFT_JOB.format(folder=folder))
-    runs = [{"name": "sft", "config": str(folder / "sft.yaml")}]
+    runs = [arithmetic_sft_run(folder)]
 
     def add(name, sets=(), config_name=None, **extra):
         config = folder / f"{config_name or name}.yaml"

@@ -21,24 +21,9 @@ import json
 import pytest
 
 from astrai.checkpoint import CheckpointPublisher
-from tests.conftest import REPO
-from tests.integration.plan import launch_plan, metrics
+from tests.integration.plan import arithmetic_sft_run, launch_plan, metrics
 
 pytestmark = pytest.mark.slow
-
-SFT_JOB = """\
-output_dir: {folder}/sft
-model:
-  init: {{model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4,
-          num_key_value_heads: 2, max_position_embeddings: 64, tie_word_embeddings: true}}
-tokenizer:
-  build: {{kind: char}}
-data: {{path: {folder}/sft.jsonl, max_seq_len: 32}}
-train: {{train_type: sft, max_steps: 120, micro_batch_size: 8, lr: 5e-3, lr_schedule: constant, warmup_steps: 0, seed: 7}}
-deepspeed: {{zero_stage: 2}}
-runtime: {{progress_bar: false, tensorboard: false}}
-export: {{hf_dir: {folder}/sft_hf, on_finish: true}}
-"""
 
 # 2 ranks x 8 prompts x 8 responses; 64 per rank = 2 minibatches of 16 x 2: two policy and two critic updates per rollout.
 PPO_JOB = """\
@@ -67,12 +52,7 @@ METRICS = ("reward_mean", "kl", "policy_loss", "value_loss", "clip_frac", "value
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ppo_ranks")
-    lines = (REPO / "data/arithmetic/sft.jsonl").read_text().splitlines(keepends=True)[:32]
-    (folder / "sft.jsonl").write_text("".join(lines))
-    prompts = (REPO / "data/arithmetic/prompts.jsonl").read_text().splitlines(keepends=True)[:32]
-    (folder / "prompts.jsonl").write_text("".join(prompts))  # row i asks the question of chat i
-    (folder / "sft.yaml").write_text(SFT_JOB.format(folder=folder))
-    runs = [{"name": "sft", "config": str(folder / "sft.yaml")}]
+    runs = [arithmetic_sft_run(folder)]
 
     def add(name, sets=(), config_name=None, steps=4, **extra):
         config = folder / f"{config_name or name}.yaml"
