@@ -61,6 +61,7 @@ def setup_distributed(timeout_s: float) -> DistInfo:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timedelta(seconds=timeout_s), verbose=False)
+    _bound_deepspeed_world_group(timeout_s)
     device = torch.device(get_accelerator().device_name(local_rank)) if on_gpu else torch.device("cpu")
     pin_threads()
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
@@ -112,9 +113,26 @@ def barrier() -> None:
         dist.barrier()
 
 
+def _bound_deepspeed_world_group(timeout_s: float) -> None:
+    """DeepSpeed runs its ZeRO collectives (gathers, reduce-scatters) on its own clone of the world
+    group, made with torch's default timeout (30 min on gloo, 10 on NCCL), not the job's. Make that
+    clone here with `runtime.dist_timeout_s`, so a hung rank fails those collectives in bounded time too."""
+    import deepspeed.utils.groups as ds_groups
+
+    if ds_groups._WORLD_GROUP is None:
+        ds_groups._WORLD_GROUP = dist.new_group(ranks=list(range(dist.get_world_size())), timeout=timedelta(seconds=timeout_s))
+
+
+class CollectiveStalledError(RuntimeError):
+    """A collective outside the checkpoint saves did not complete: a rank died, hung or lags elsewhere."""
+
+
 def shutdown_distributed() -> None:
+    import deepspeed.utils.groups as ds_groups
+
     if dist.is_initialized():
         dist.destroy_process_group()
+    ds_groups._WORLD_GROUP = None  # destroyed with the rest; a later setup makes a new one
 
 
 def deep_merge(base: dict, extra: dict) -> dict:
@@ -395,9 +413,16 @@ class Engine:
         # Every name, tied ones included (lm_head.weight and embed_tokens.weight): whether the copy
         # ties them or not, each of its parameters gets its value.
         for name, parameter in module.named_parameters(remove_duplicate=False):
-            with deepspeed.zero.GatheredParameters([parameter], modifier_rank=None):
-                if name in targets:
-                    targets.pop(name).data.copy_(parameter.data)
+            try:
+                with deepspeed.zero.GatheredParameters([parameter], modifier_rank=None):
+                    if name in targets:
+                        targets.pop(name).data.copy_(parameter.data)
+            except RuntimeError as error:  # torch's timeout or a peer's closed connection
+                plain.to_empty(device="meta")
+                raise CollectiveStalledError(
+                    f"rollout weight sync: the ZeRO-3 all-gather of {name} did not complete on rank {dist.get_rank()} "
+                    f"within runtime.dist_timeout_s: another rank died, hung, or is still busy elsewhere ({type(error).__name__}: {error})"
+                ) from error
         if targets:
             raise RuntimeError(f"generation copy: parameters {sorted(targets)[:3]} have no counterpart in the engine's module")
         plain_buffers = dict(plain.named_buffers())

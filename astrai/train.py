@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from astrai.checkpoint import CheckpointError
     from astrai.config import dump_job
     from astrai.data.sources import DataError
-    from astrai.engine import set_log_format, setup_distributed, shutdown_distributed
+    from astrai.engine import CollectiveStalledError, set_log_format, setup_distributed, shutdown_distributed
     from astrai.export import ExportError
     from astrai.models.policy import ModelError
     from astrai.models.tokenizer import TokenizerError
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:  # found only once the ranks are known (e.g. a batch that does not split over them)
         logger.error("%s: %s", args.config, error)
         return 2
-    except (DataError, ModelError, TokenizerError, CheckpointError, ExportError, PreflightError, RewardError) as error:
+    except (DataError, ModelError, TokenizerError, CheckpointError, ExportError, PreflightError, RewardError, CollectiveStalledError) as error:
         logger.error("%s", error, exc_info=bool(os.environ.get("ASTR_DEBUG")))
         return 1
     finally:

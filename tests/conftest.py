@@ -25,14 +25,11 @@ def one_rank():
     Torn down after the module with DeepSpeed's cached clone of the world group, so that a later module
     can create its own; the launcher variables it sets (RANK, MASTER_PORT, ...) must not leak into later
     tests' subprocess launches either."""
-    import deepspeed.utils.groups
-
     from astrai.engine import setup_distributed, shutdown_distributed
 
     saved = dict(os.environ)
     yield setup_distributed(60)
-    shutdown_distributed()
-    deepspeed.utils.groups._WORLD_GROUP = None  # else the next engine broadcasts over the destroyed group
+    shutdown_distributed()  # also drops DeepSpeed's clone of the world group, else the next engine uses a destroyed group
     os.environ.clear()
     os.environ.update(saved)
 
