@@ -15,7 +15,7 @@ instead of leaving some waiting in a collective.
 
 `deepspeed astrai/preflight.py --config job.yaml` runs only these steps: it is what
 `python -m astrai launch --check` starts on every node. Never imports deepspeed (house rule: only
-astrai/engine.py does); its version comes from the package metadata.
+astrai/engine/ does); its version comes from the package metadata.
 """
 
 from __future__ import annotations

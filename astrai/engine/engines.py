@@ -1,233 +1,24 @@
-"""The only module that knows DeepSpeed: distributed init, the DeepSpeed config, and engines.
-
-Everything else gets an `Engine`: forward, backward, step, module, save, load. A job may hold
-several engines (the PPO policy and critic), each built by `make_engine` with its own optimizer,
-LR schedule and clipping.
-"""
+"""Engines: a trainable model in its own DeepSpeed engine (`Engine`, `make_engine`), an evaluated-only
+one (`FrozenEngine`), partitioned loading, and full weights from any checkpoint folder."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import logging
-import math
-import os
-import socket
-from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from astrai.engine.distributed import CollectiveStalledError
+from astrai.engine.ds_config import parameter_groups
 
 logger = logging.getLogger("astrai.engine")
 
 DS_TAG = "state"  # DeepSpeed tag folder inside each engine's checkpoint part
 PARAMETER_NAMES_KEY = "astrai_parameter_names"  # in ZeRO-0 model_states files: parameter names per optimizer group
-
-
-@dataclass(frozen=True)
-class DistInfo:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    backend: str
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def setup_distributed(timeout_s: float) -> DistInfo:
-    """Join (or, without a launcher, create) the job's process group: nccl on GPUs, gloo on CPUs."""
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    if "RANK" not in os.environ:  # `python astrai/train.py` without the launcher: one rank
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    on_gpu = torch.cuda.is_available()
-    backend = "nccl" if on_gpu else "gloo"
-    if on_gpu:
-        torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timedelta(seconds=timeout_s), verbose=False)
-    _bound_deepspeed_world_group(timeout_s)
-    device = torch.device(get_accelerator().device_name(local_rank)) if on_gpu else torch.device("cpu")
-    pin_threads()
-    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
-
-
-def pin_threads() -> int:
-    """Split this node's cores between its ranks (unless OMP_NUM_THREADS says otherwise): two
-    ranks each using every core oversubscribe the CPU and slow both."""
-    if os.environ.get("OMP_NUM_THREADS"):
-        threads = int(os.environ["OMP_NUM_THREADS"])
-        reason = "OMP_NUM_THREADS"
-    else:
-        local_ranks = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
-        threads = max(1, len(os.sched_getaffinity(0)) // max(1, local_ranks))
-        reason = f"{len(os.sched_getaffinity(0))} cores / {local_ranks} local ranks"
-    torch.set_num_threads(threads)
-    logger.info("intra-op threads per rank: %d (%s)", threads, reason)
-    return threads
-
-
-def effective_zero_stage(requested: int, world_size: int, offloaded: bool, keep: bool) -> int:
-    """ZeRO-1/2 on a single rank partition over one process: all cost, no memory saved. Run
-    stage 0 there unless offload needs ZeRO or the job keeps the stage (`deepspeed.single_rank_stage0: false`)."""
-    if world_size == 1 and requested in (1, 2) and not offloaded and not keep:
-        logger.info("one rank: ZeRO-%d partitions nothing here, running ZeRO-0 (set deepspeed.single_rank_stage0: false to keep it)", requested)
-        return 0
-    return requested
-
-
-def all_reduce_sum(value: float | int, device: torch.device) -> float:
-    """Sum a Python number over all ranks (identity on one process)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return float(value)
-    tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return float(tensor.item())
-
-
-def all_gather_objects(value: Any) -> list[Any]:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [value]
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
-
-
-def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def _bound_deepspeed_world_group(timeout_s: float) -> None:
-    """DeepSpeed runs its ZeRO collectives (gathers, reduce-scatters) on its own clone of the world
-    group, made with torch's default timeout (30 min on gloo, 10 on NCCL), not the job's. Make that
-    clone here with `runtime.dist_timeout_s`, so a hung rank fails those collectives in bounded time too."""
-    import deepspeed.utils.groups as ds_groups
-
-    if ds_groups._WORLD_GROUP is None:
-        ds_groups._WORLD_GROUP = dist.new_group(ranks=list(range(dist.get_world_size())), timeout=timedelta(seconds=timeout_s))
-
-
-class CollectiveStalledError(RuntimeError):
-    """A collective outside the checkpoint saves did not complete: a rank died, hung or lags elsewhere."""
-
-
-def shutdown_distributed() -> None:
-    import deepspeed.utils.groups as ds_groups
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    ds_groups._WORLD_GROUP = None  # destroyed with the rest; a later setup makes a new one
-
-
-def deep_merge(base: dict, extra: dict) -> dict:
-    merged = copy.deepcopy(base)
-    for key, value in extra.items():
-        merged[key] = deep_merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
-    return merged
-
-
-def resolve_precision(dtype: str) -> str:
-    """`auto` is bf16 on a GPU that supports it, fp32 elsewhere (CPU fp16 and bf16 are slow or absent)."""
-    if dtype != "auto":
-        return dtype
-    return "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "fp32"
-
-
-def build_ds_config(
-    section,
-    *,
-    template_path: Path | None,
-    micro_batch_size: int,
-    grad_accum_steps: int,
-    max_grad_norm: float | None,
-    precision: str,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    zero_stage: int | None = None,
-    world_size: int | None = None,
-) -> dict:
-    """Template (if any) <- job settings <- `deepspeed.overrides`. The result is what DeepSpeed sees."""
-    config: dict = json.loads(template_path.read_text()) if template_path else {}
-    zero = config.setdefault("zero_optimization", {})
-    stage = zero_stage if zero_stage is not None else section.zero_stage
-    if stage is not None:
-        zero["stage"] = stage
-    zero.setdefault("stage", 0)
-    for key, value in (("offload_optimizer", section.offload_optimizer), ("offload_param", section.offload_param)):
-        if value is not None:
-            zero[key] = {"device": value} if value != "none" else {"device": "none"}
-    config.update(
-        train_micro_batch_size_per_gpu=micro_batch_size,
-        gradient_accumulation_steps=grad_accum_steps,
-        gradient_clipping=max_grad_norm or 0.0,
-        steps_per_print=10**9,
-        wall_clock_breakdown=False,
-    )
-    config.pop("train_batch_size", None)  # derived by DeepSpeed from micro x accumulation x world
-    config["bf16"] = {"enabled": precision == "bf16"}
-    config["fp16"] = {"enabled": precision == "fp16", "loss_scale": 0} if precision == "fp16" else {"enabled": False}
-    offloaded = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
-    if world_size is not None:
-        any_offload = offloaded or zero.get("offload_param", {}).get("device", "none") not in ("none", None)
-        zero["stage"] = effective_zero_stage(zero["stage"], world_size, any_offload, keep=not section.single_rank_stage0)
-    implementation = section.optimizer
-    if implementation == "auto":
-        implementation = "cpu_adam" if offloaded else ("fused" if torch.cuda.is_available() else "torch")
-    params: dict[str, Any] = {"lr": lr, "betas": list(betas), "eps": eps, "weight_decay": 0.0}
-    if implementation == "torch":
-        params["torch_adam"] = True  # fused Adam is CUDA-only
-    elif implementation == "cpu_adam" and not offloaded:
-        raise ValueError("deepspeed.optimizer: cpu_adam needs deepspeed.offload_optimizer: cpu")
-    config["optimizer"] = {"type": "AdamW", "params": params}
-    return deep_merge(config, section.overrides)
-
-
-def lr_lambda(total_steps: int, warmup_steps: int, schedule: str, min_lr_ratio: float) -> Callable[[int], float]:
-    """Multiplier of the peak LR for the update that follows `completed` optimizer steps.
-
-    Update u = completed + 1 uses u / warmup during warmup (the first update is not wasted at lr 0),
-    then decays to `min_lr_ratio` at the last step.
-    """
-
-    def multiplier(completed: int) -> float:
-        update = completed + 1
-        if update <= warmup_steps:
-            return update / warmup_steps
-        if schedule == "constant" or total_steps <= warmup_steps:
-            return 1.0
-        progress = min(1.0, (update - warmup_steps) / max(1, total_steps - warmup_steps))
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
-        return min_lr_ratio + (1.0 - min_lr_ratio) * shape
-
-    return multiplier
-
-
-def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only: biases and norm weights (1-D) keep their scale."""
-    decay, no_decay = [], []
-    for parameter in model.parameters():
-        if parameter.requires_grad:
-            # A parameter loaded partitioned (ZeRO-3 zero3_init) is a flat local shard: its real shape is ds_shape.
-            shape = getattr(parameter, "ds_shape", parameter.shape)
-            (decay if len(shape) >= 2 else no_decay).append(parameter)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 class Engine:
@@ -521,11 +312,3 @@ def zero3_loading(ds_config: dict, enabled: bool):
         del keep_alive
 
 
-def set_log_format(rank: int, level: str) -> None:
-    """Every line says its rank; ranks other than 0 log warnings and errors only, unless DEBUG."""
-    chosen = getattr(logging, level.upper(), logging.INFO)
-    if rank != 0 and chosen > logging.DEBUG:
-        chosen = max(chosen, logging.WARNING)
-    logging.basicConfig(level=chosen, format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
-    # DeepSpeed's own logger is chatty at INFO on every rank.
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)

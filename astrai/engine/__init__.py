@@ -1,0 +1,26 @@
+"""The only package that knows DeepSpeed: distributed init, the DeepSpeed config, and engines.
+
+Everything else gets an `Engine`: forward, backward, step, module, save, load. A job may hold
+several engines (the PPO policy and critic), each built by `make_engine` with its own optimizer,
+LR schedule and clipping.
+
+- `distributed.py`: the process group (job timeout, DeepSpeed's ZeRO group too), threads, collectives.
+- `ds_config.py`: one engine's DeepSpeed config, LR schedule and weight-decay groups.
+- `engines.py`: `Engine`, `FrozenEngine`, partitioned loading, consolidated weights.
+"""
+
+from astrai.engine.distributed import (
+    CollectiveStalledError, DistInfo, all_gather_objects, all_reduce_sum, barrier, pin_threads, set_log_format,
+    setup_distributed, shutdown_distributed,
+)
+from astrai.engine.ds_config import build_ds_config, deep_merge, effective_zero_stage, lr_lambda, parameter_groups, resolve_precision
+from astrai.engine.engines import (
+    DS_TAG, PARAMETER_NAMES_KEY, Engine, FrozenEngine, consolidated_state_dict, make_engine, make_frozen_engine, zero3_loading,
+)
+
+__all__ = [
+    "CollectiveStalledError", "DistInfo", "all_gather_objects", "all_reduce_sum", "barrier", "pin_threads", "set_log_format",
+    "setup_distributed", "shutdown_distributed", "build_ds_config", "deep_merge", "effective_zero_stage", "lr_lambda",
+    "parameter_groups", "resolve_precision", "DS_TAG", "PARAMETER_NAMES_KEY", "Engine", "FrozenEngine", "consolidated_state_dict",
+    "make_engine", "make_frozen_engine", "zero3_loading",
+]

@@ -1,0 +1,126 @@
+"""The job's process group: init with the job's timeout (DeepSpeed's own ZeRO group included), threads
+per rank, the few collectives the trainer makes, teardown, and per-rank log lines."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("astrai.engine")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def setup_distributed(timeout_s: float) -> DistInfo:
+    """Join (or, without a launcher, create) the job's process group: nccl on GPUs, gloo on CPUs."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if "RANK" not in os.environ:  # `python astrai/train.py` without the launcher: one rank
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    on_gpu = torch.cuda.is_available()
+    backend = "nccl" if on_gpu else "gloo"
+    if on_gpu:
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timedelta(seconds=timeout_s), verbose=False)
+    _bound_deepspeed_world_group(timeout_s)
+    device = torch.device(get_accelerator().device_name(local_rank)) if on_gpu else torch.device("cpu")
+    pin_threads()
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def pin_threads() -> int:
+    """Split this node's cores between its ranks (unless OMP_NUM_THREADS says otherwise): two
+    ranks each using every core oversubscribe the CPU and slow both."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        threads = int(os.environ["OMP_NUM_THREADS"])
+        reason = "OMP_NUM_THREADS"
+    else:
+        local_ranks = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
+        threads = max(1, len(os.sched_getaffinity(0)) // max(1, local_ranks))
+        reason = f"{len(os.sched_getaffinity(0))} cores / {local_ranks} local ranks"
+    torch.set_num_threads(threads)
+    logger.info("intra-op threads per rank: %d (%s)", threads, reason)
+    return threads
+
+
+
+def all_reduce_sum(value: float | int, device: torch.device) -> float:
+    """Sum a Python number over all ranks (identity on one process)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return float(value)
+    tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return float(tensor.item())
+
+
+def all_gather_objects(value: Any) -> list[Any]:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _bound_deepspeed_world_group(timeout_s: float) -> None:
+    """DeepSpeed runs its ZeRO collectives (gathers, reduce-scatters) on its own clone of the world
+    group, made with torch's default timeout (30 min on gloo, 10 on NCCL), not the job's. Make that
+    clone here with `runtime.dist_timeout_s`, so a hung rank fails those collectives in bounded time too."""
+    import deepspeed.utils.groups as ds_groups
+
+    if ds_groups._WORLD_GROUP is None:
+        ds_groups._WORLD_GROUP = dist.new_group(ranks=list(range(dist.get_world_size())), timeout=timedelta(seconds=timeout_s))
+
+
+class CollectiveStalledError(RuntimeError):
+    """A collective outside the checkpoint saves did not complete: a rank died, hung or lags elsewhere."""
+
+
+def shutdown_distributed() -> None:
+    import deepspeed.utils.groups as ds_groups
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    ds_groups._WORLD_GROUP = None  # destroyed with the rest; a later setup makes a new one
+
+
+
+def set_log_format(rank: int, level: str) -> None:
+    """Every line says its rank; ranks other than 0 log warnings and errors only, unless DEBUG."""
+    chosen = getattr(logging, level.upper(), logging.INFO)
+    if rank != 0 and chosen > logging.DEBUG:
+        chosen = max(chosen, logging.WARNING)
+    logging.basicConfig(level=chosen, format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    # DeepSpeed's own logger is chatty at INFO on every rank.
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
