@@ -55,7 +55,9 @@ class RolloutResult:
     prompt_mask: torch.Tensor  # [N, P]
     response_ids: torch.Tensor  # [N, R] right-padded
     response_mask: torch.Tensor  # [N, R], 1 up to and including the first EOS
-    behaviour_logprobs: torch.Tensor  # [N, R] float32, policy engine forward at sampling time, 0 on padding
+    # [N, R] float32, policy engine forward at sampling time, 0 on padding; None when the strategy needs
+    # none (grpo with one optimizer update per rollout: the loss forward runs on the sampling weights)
+    behaviour_logprobs: torch.Tensor | None
     truncated: torch.Tensor  # [N] bool, no EOS within max_new_tokens
     prompt_texts: list[str]  # the rendered prompt (chat template applied) of each sequence
     response_texts: list[str]  # the response without special tokens
@@ -80,7 +82,8 @@ class RolloutResult:
         """input_ids, attention_mask, position_ids [N, P + R]; response_ids, response_mask,
         behaviour_logprobs [N, R]: what every online loss reads."""
         tensors = join_sequences(self.prompt_ids, self.prompt_mask, self.response_ids, self.response_mask)
-        tensors["behaviour_logprobs"] = self.behaviour_logprobs
+        if self.behaviour_logprobs is not None:
+            tensors["behaviour_logprobs"] = self.behaviour_logprobs
         return tensors
 
     def metric_sums(self) -> dict[str, float]:
@@ -207,13 +210,15 @@ def generate_rollout(
     seed: int,
     policy_version: int,
     logprob_batch_size: int,
+    behaviour_logprobs: bool = True,
 ) -> RolloutResult:
     """Sample `settings.group_size` responses to each prompt and recompute their behaviour log-probs.
 
     engine: the policy `Engine` (or anything with `.module`, `.zero_stage`, `.generation_module()`
     and a forward); prompt_ids: this rank's prompts as token lists (chat template applied);
     messages, rows: per prompt, handed on to the rewards. settings: the `rollout:` config section.
-    Every rank must call this with the same number of prompts under ZeRO-3.
+    Every rank must call this with the same number of prompts under ZeRO-3. behaviour_logprobs=False
+    skips the recomputing forward (the result's behaviour_logprobs is None).
     """
     group = settings.group_size
     device = engine.device
@@ -223,7 +228,7 @@ def generate_rollout(
         response_ids = sample_responses(engine, prompts, prompt_mask, settings, tokenizer)
     mask = response_mask(response_ids, tokenizer.eos_token_id)
     sequences = join_sequences(prompts, prompt_mask, response_ids, mask)
-    behaviour = response_logprobs(engine, sequences, temperature=settings.temperature, batch_size=logprob_batch_size)
+    behaviour = response_logprobs(engine, sequences, temperature=settings.temperature, batch_size=logprob_batch_size) if behaviour_logprobs else None
     prompt_texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
     response_texts = [tokenizer.decode(ids[keep.bool()].tolist(), skip_special_tokens=True) for ids, keep in zip(response_ids, mask)]
     return RolloutResult(

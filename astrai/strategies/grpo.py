@@ -15,6 +15,9 @@ Departures from the paper, and defaults:
 - The reference is evaluated once per rollout and frozen with the other targets; with kl_coef = 0 it
   is not built at all (no memory, no forward) and the `kl` metric is not logged.
 - Log-probs are of the temperature-scaled policy (the distribution the tokens were drawn from).
+- With one optimizer update per rollout (rl.epochs_per_rollout 1, one minibatch) every micro-batch's
+  loss forward runs on the very weights that sampled, so pi_old = pi.detach(): the rollout skips the
+  behaviour forward (~13% of rollout time) and the ratio is exactly 1, as in TRL's on-policy GRPO.
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ class GrpoStrategy(OnlineStrategy):
         if self.job.rl.kl_coef > 0:
             self.build_reference(run)
 
+    def needs_behaviour_logprobs(self) -> bool:
+        return self.geometry.updates_per_epoch * self.job.rl.epochs_per_rollout > 1
+
     def frozen_targets(self, rollout: RolloutResult) -> dict[str, torch.Tensor]:
         """Rewards, advantages [N] and reference log-probs [N, R], plus the rollout's sequences and
         behaviour log-probs: everything the loss reads, fixed for all replay epochs of the step."""
@@ -60,8 +66,9 @@ class GrpoStrategy(OnlineStrategy):
         logprobs = masked_token_logprobs(logits, batch["response_ids"], mask)
         token_advantages = broadcast_sequence_advantages(batch["advantages"], mask)
         token_mean = settings.loss_aggregation == "token_mean"
+        behaviour = batch.get("behaviour_logprobs")  # None: one update per rollout, the weights that sampled
         policy_loss = ppo_policy_loss(
-            logprobs, batch["behaviour_logprobs"], token_advantages, mask, clip_eps=settings.clip_eps_low, clip_eps_high=settings.clip_eps_high,
+            logprobs, logprobs.detach() if behaviour is None else behaviour, token_advantages, mask, clip_eps=settings.clip_eps_low, clip_eps_high=settings.clip_eps_high,
             aggregation="global" if token_mean else "sequence_mean", global_token_count=normalizer if token_mean else None,
         )
         loss = policy_loss.loss if token_mean else policy_loss.loss * mask.shape[0] / normalizer

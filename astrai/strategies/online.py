@@ -124,8 +124,12 @@ class OnlineStrategy(Strategy):
         return generate_rollout(
             policy, self.tokenizer, prompt_ids, messages, rows, self.job.rollout,
             seed=sampling_seed(self.job.train.seed, step, self.dist.rank), policy_version=policy_version,
-            logprob_batch_size=self.geometry.micro_batch_size,
+            logprob_batch_size=self.geometry.micro_batch_size, behaviour_logprobs=self.needs_behaviour_logprobs(),
         )
+
+    def needs_behaviour_logprobs(self) -> bool:
+        """Whether the loss needs the sampling policy's log-probs recomputed at rollout time."""
+        return True
 
     def score(self, rollout: RolloutResult) -> None:
         """Set `rollout.rewards` [N] (and its components) from the `reward:` section."""

@@ -155,6 +155,34 @@ def test_first_update_loss_by_hand(tokenizer, rollout_and_models):
     assert output.loss.item() == pytest.approx(expected.item(), abs=1e-6) and per_sequence.loss_weight(targets) == 8
 
 
+def test_one_update_per_rollout_skips_the_behaviour_forward(tokenizer, rollout_and_models):
+    """16 sequences = one update of 8 x 2: the loss forward runs on the sampling weights, so pi_old = pi.detach()
+    gives the loss and gradient of recomputed behaviour log-probs (to their ~1e-6 recompute noise)."""
+    result, policy, reference = rollout_and_models
+    one_update = job(train={"micro_batch_size": 8, "grad_accum_steps": 2}, rl={"kl_coef": 0.5})
+    assert strategy_with(job(), tokenizer, policy).needs_behaviour_logprobs()  # 4 updates: the later ones need pi_old
+    assert strategy_with(job(rl={"epochs_per_rollout": 2}, train={"micro_batch_size": 8, "grad_accum_steps": 2}), tokenizer, policy).needs_behaviour_logprobs()
+    strategy = strategy_with(one_update, tokenizer, policy, reference)
+    assert not strategy.needs_behaviour_logprobs()
+    chats = [[{"role": "user", "content": text}] for text in ("1+2=", "30-4=")]
+    prompts = [render_prompt(tokenizer, chat) for chat in chats]
+    skipped = generate_rollout(PlainEngine(policy), tokenizer, prompts, chats, [{}, {}], one_update.rollout, seed=3, policy_version=0,
+                               logprob_batch_size=2, behaviour_logprobs=False)
+    assert skipped.behaviour_logprobs is None and torch.equal(skipped.response_ids, result.response_ids)  # same seed, same samples
+    without, recomputed = strategy.frozen_targets(skipped), strategy.frozen_targets(copy.copy(result))
+    assert "behaviour_logprobs" not in without and "behaviour_logprobs" in recomputed
+
+    def loss_and_gradient(targets):
+        model = copy.deepcopy(policy)
+        output = strategy.compute_loss(PlainEngine(model), targets, normalizer=float(targets["response_mask"].sum()))
+        output.loss.backward()
+        return output, torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    (fast, fast_gradient), (slow, slow_gradient) = loss_and_gradient(without), loss_and_gradient(recomputed)
+    assert fast.loss.item() == pytest.approx(slow.loss.item(), abs=1e-6) and fast.sums["clip_frac"] == 0.0
+    assert fast_gradient.abs().sum() > 0 and torch.allclose(fast_gradient, slow_gradient, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
 def test_split_micro_batches_give_the_whole_batch_gradient(tokenizer, rollout_and_models, aggregation):
     """What the online loop does: divide each micro-batch by global units / accumulation; DeepSpeed then
