@@ -19,7 +19,7 @@ import torch
 
 from astrai.build import Run
 from astrai.checkpointing import TrainingCheckpoints, TrainerState
-from astrai.engine import all_reduce_sum
+from astrai.engine import all_reduce_sum, all_reduce_sums
 from astrai.metrics import MetricsLog
 from astrai.rollout import rollout_metrics
 
@@ -31,15 +31,16 @@ def _to_device(batch: dict, device: torch.device) -> dict:
 
 
 def _global_sums(sums: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Sum each metric over ranks in one collective."""
+    """Sum each metric over ranks in one collective (keys sorted: every rank sends the same order)."""
     if not sums:
         return {}
     keys = sorted(sums)
-    tensor = torch.tensor([sums[key] for key in keys], dtype=torch.float64)
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        tensor = tensor.to(device)
-        torch.distributed.all_reduce(tensor)
-    return dict(zip(keys, tensor.tolist()))
+    return dict(zip(keys, all_reduce_sums([sums[key] for key in keys], device)))
+
+
+def _add(sums: dict[str, float], output) -> None:
+    for key, value in output.sums.items():
+        sums[key] += value
 
 
 def _close_step(run: Run, state: TrainerState, record: dict, metrics: MetricsLog, checkpoints: TrainingCheckpoints) -> None:
@@ -77,8 +78,7 @@ def train_offline(run: Run) -> TrainerState:
                 output = strategy.compute_loss(policy, _to_device(batch, run.dist.device), normalizer)
                 policy.backward(output.loss)
                 policy.step()
-                for key, value in output.sums.items():
-                    sums[key] += value
+                _add(sums, output)
                 sums["tokens"] += float(batch["attention_mask"].sum())
             state.step, state.policy_version = step, step
             state.consumed_samples += run.samples_per_step
@@ -109,11 +109,6 @@ def _online_record(totals: dict[str, float]) -> dict[str, float]:
     record = {key: value / (weight if key in PER_LOSS_UNIT else tokens) for key, value in training.items()}
     record.update(rollout_metrics(totals))
     return record
-
-
-def _add(sums: dict[str, float], output) -> None:
-    for key, value in output.sums.items():
-        sums[key] += value
 
 
 def train_online(run: Run) -> TrainerState:
@@ -148,9 +143,9 @@ def train_online(run: Run) -> TrainerState:
                 for micro_batches in strategy.minibatches(targets, step=step, epoch=epoch):
                     # As offline: one divisor for every micro-batch and rank of the optimizer step, so the
                     # update is the mean over the minibatch's loss units whatever the split.
-                    loss_weight = all_reduce_sum(sum(strategy.loss_weight(batch) for batch in micro_batches), device)
-                    normalizer = max(loss_weight, 1.0) / (world * accumulation)
-                    for batch in micro_batches:
+                    weights = [strategy.loss_weight(batch) for batch in micro_batches]
+                    normalizer = max(all_reduce_sum(sum(weights), device), 1.0) / (world * accumulation)
+                    for batch, weight in zip(micro_batches, weights):
                         if trains_policy:
                             output = strategy.compute_loss(policy, batch, normalizer)
                             policy.backward(output.loss)
@@ -162,7 +157,7 @@ def train_online(run: Run) -> TrainerState:
                             critic.step()
                             _add(sums, output)
                         sums["tokens"] += float(batch["response_mask"].sum())
-                        sums["weight"] += float(strategy.loss_weight(batch))
+                        sums["weight"] += float(weight)
                     if trains_policy:
                         state.policy_version += 1
             train_seconds = time.perf_counter() - train_started

@@ -10,7 +10,7 @@ LR schedule and clipping.
 """
 
 from astrai.engine.distributed import (
-    CollectiveStalledError, DistInfo, all_gather_objects, all_reduce_sum, barrier, pin_threads, set_log_format,
+    CollectiveStalledError, DistInfo, all_gather_objects, all_reduce_sum, all_reduce_sums, barrier, pin_threads, set_log_format,
     setup_distributed, shutdown_distributed,
 )
 from astrai.engine.ds_config import build_ds_config, deep_merge, effective_zero_stage, lr_lambda, parameter_groups, resolve_precision
@@ -19,7 +19,7 @@ from astrai.engine.engines import (
 )
 
 __all__ = [
-    "CollectiveStalledError", "DistInfo", "all_gather_objects", "all_reduce_sum", "barrier", "pin_threads", "set_log_format",
+    "CollectiveStalledError", "DistInfo", "all_gather_objects", "all_reduce_sum", "all_reduce_sums", "barrier", "pin_threads", "set_log_format",
     "setup_distributed", "shutdown_distributed", "build_ds_config", "deep_merge", "effective_zero_stage", "lr_lambda",
     "parameter_groups", "resolve_precision", "DS_TAG", "PARAMETER_NAMES_KEY", "Engine", "FrozenEngine", "consolidated_state_dict",
     "make_engine", "make_frozen_engine", "zero3_loading",

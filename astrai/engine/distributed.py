@@ -70,14 +70,18 @@ def pin_threads() -> int:
     return threads
 
 
+def all_reduce_sums(values: list[float], device: torch.device) -> list[float]:
+    """Sum each Python number over all ranks in one float64 all-reduce (identity on one process)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [float(value) for value in values]
+    tensor = torch.tensor([float(value) for value in values], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
 
 def all_reduce_sum(value: float | int, device: torch.device) -> float:
     """Sum a Python number over all ranks (identity on one process)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return float(value)
-    tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return float(tensor.item())
+    return all_reduce_sums([value], device)[0]
 
 
 def all_gather_objects(value: Any) -> list[Any]:

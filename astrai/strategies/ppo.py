@@ -39,6 +39,7 @@ from astrai.algos.advantages import AdaptiveKLController, FixedKLController, com
 from astrai.algos.kl import kl_estimate, kl_k3
 from astrai.algos.masked import WHITEN_EPS, masked_sum
 from astrai.algos.ppo import entropy_from_logits, ppo_policy_loss, value_loss
+from astrai.engine import all_reduce_sums
 from astrai.rollout import RolloutResult, frozen_response_values, response_logits, response_logprobs, response_values
 from astrai.rollout.sequences import masked_token_logprobs
 from astrai.strategies.base import StepOutput, register
@@ -47,22 +48,13 @@ from astrai.strategies.online import OnlineStrategy
 logger = logging.getLogger("astrai.ppo")
 
 
-def global_sums(values: list[float], device) -> list[float]:
-    """Sum each number over ranks in one all-reduce (identity on one process)."""
-    tensor = torch.tensor(values, dtype=torch.float64)
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        tensor = tensor.to(device)
-        torch.distributed.all_reduce(tensor)
-    return tensor.tolist()
-
-
 def global_standardize(values: torch.Tensor, mask: torch.Tensor, device) -> torch.Tensor:
     """(values - mean) / sqrt(var + 1e-8) with the mean and unbiased variance of the valid entries of
     every rank; 0 at padding. values, mask: any one shape ([N, R] tokens or [N] responses). On one rank
     this is `masked.masked_whiten`."""
     valid = mask.bool()
     selected = values[valid].double()
-    count, total, squares = global_sums([float(valid.sum()), float(selected.sum()), float((selected**2).sum())], device)
+    count, total, squares = all_reduce_sums([float(valid.sum()), float(selected.sum()), float((selected**2).sum())], device)
     mean = total / max(count, 1.0)
     variance = max(squares - count * mean**2, 0.0) / max(count - 1.0, 1.0)
     standardized = (values - mean) / math.sqrt(variance + WHITEN_EPS)
@@ -161,7 +153,7 @@ class PPOStrategy(OnlineStrategy):
         """Adaptive KL: the step's KL per response (summed over its tokens), averaged over every rank's responses."""
         if self.reference is None or self.job.rl.target_kl is None:
             return
-        kl_sum, responses = global_sums([float(masked_sum(kl.double(), mask)), float(mask.shape[0])], self.dist.device)
+        kl_sum, responses = all_reduce_sums([float(masked_sum(kl.double(), mask)), float(mask.shape[0])], self.dist.device)
         self.kl_controller.update(kl_sum / max(responses, 1.0), int(responses))
 
     # ----------------------------------------------------------------------------- losses
