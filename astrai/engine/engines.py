@@ -28,6 +28,7 @@ class Engine:
         self._engine = ds_engine
         self.ds_config = ds_config
         self._stage0_grad_norm: float | None = None
+        self._plain: torch.nn.Module | None = None  # ZeRO-3 sampling copy (meta between rollouts), built on first use
         if self.zero_stage == 0:
             # Without ZeRO (fp32), DeepSpeed clips with its clip_grad_norm_ and drops the norm it returns
             # (get_global_grad_norm() stays None). Keep that norm instead of a second pass over every
@@ -167,7 +168,6 @@ class Engine:
         else:
             yield
 
-
     @contextlib.contextmanager
     def generation_module(self, zero3_mode: str = "copy"):
         """The module to sample from with full weights, for the block.
@@ -194,7 +194,7 @@ class Engine:
         import deepspeed
 
         module = self.module
-        if getattr(self, "_plain", None) is None:
+        if self._plain is None:
             with torch.device("meta"):
                 self._plain = type(module)(copy.deepcopy(module.config)).to(module.dtype)
             self._plain.tie_weights()  # as the engine's module, so the copy holds one tensor per tied group
@@ -202,12 +202,13 @@ class Engine:
         plain = self._plain.to_empty(device=self.device)
         targets = dict(plain.named_parameters())
         # Every name, tied ones included (lm_head.weight and embed_tokens.weight): whether the copy
-        # ties them or not, each of its parameters gets its value.
+        # ties them or not, each of its parameters gets its value, and a tied one is gathered once.
         for name, parameter in module.named_parameters(remove_duplicate=False):
+            if name not in targets:
+                continue
             try:
                 with deepspeed.zero.GatheredParameters([parameter], modifier_rank=None):
-                    if name in targets:
-                        targets.pop(name).data.copy_(parameter.data)
+                    targets.pop(name).data.copy_(parameter.data)
             except RuntimeError as error:  # torch's timeout or a peer's closed connection
                 plain.to_empty(device="meta")
                 raise CollectiveStalledError(
