@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import logging
 import math
-from functools import partial
 
 import datasets
 import torch
 
 from astrai.algos.dpo import dpo_loss
 from astrai.algos.logprobs import sequence_logprobs, shift_for_next_token, token_logprobs
-from astrai.data import tokenize_rows
+from astrai.data import render_rows
 from astrai.data.collate import pad_right
 from astrai.data.render import preference_batch
 from astrai.engine import all_gather_objects, make_frozen_engine
@@ -44,13 +43,7 @@ class DpoStrategy(Strategy):
     loop = "offline"
 
     def prepare_data(self, rows) -> tuple[datasets.Dataset, int]:
-        function = partial(
-            preference_batch, tokenizer=self.tokenizer, fields=self.job.data, max_len=self.job.data.max_seq_len,
-            skip_bad=self.job.data.on_bad_row == "skip",
-        )
-        dataset = tokenize_rows(rows, function, num_proc=self.job.data.num_proc, description="rendering preference pairs")
-        skipped = sum(dataset["bad"])
-        return dataset.filter(lambda row: not row["bad"]).remove_columns("bad"), skipped
+        return render_rows(rows, preference_batch, tokenizer=self.tokenizer, data=self.job.data, description="rendering preference pairs")
 
     def setup(self, run) -> None:
         model_config = self.job.model

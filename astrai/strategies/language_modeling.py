@@ -11,7 +11,7 @@ from functools import partial
 import datasets
 
 from astrai.algos.cross_entropy import next_token_cross_entropy_sum
-from astrai.data import tokenize_rows
+from astrai.data import render_rows, tokenize_rows
 from astrai.data.collate import collate_token_rows
 from astrai.data.render import is_text_row, pack_batch, sft_batch
 from astrai.data.sources import Rows
@@ -62,13 +62,4 @@ class SftStrategy(LanguageModelingStrategy):
     name = "sft"
 
     def prepare_data(self, rows: Rows) -> tuple[datasets.Dataset, int]:
-        function = partial(
-            sft_batch,
-            tokenizer=self.tokenizer,
-            fields=self.job.data,
-            max_len=self.job.data.max_seq_len,
-            skip_bad=self.job.data.on_bad_row == "skip",
-        )
-        dataset = tokenize_rows(rows, function, num_proc=self.job.data.num_proc, description="rendering chats")
-        skipped = sum(dataset["bad"])
-        return dataset.filter(lambda row: not row["bad"]).remove_columns("bad"), skipped
+        return render_rows(rows, sft_batch, tokenizer=self.tokenizer, data=self.job.data, description="rendering chats")

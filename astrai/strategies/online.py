@@ -13,13 +13,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import partial
 
 import datasets
 import torch
 
 from astrai.config import ConfigError
-from astrai.data import tokenize_rows
+from astrai.data import render_rows
 from astrai.data.sampler import ShardedOrder
 from astrai.engine import make_frozen_engine
 from astrai.models.policy import build_policy
@@ -70,13 +69,7 @@ class OnlineStrategy(Strategy):
     loop = "online"
 
     def prepare_data(self, rows) -> tuple[datasets.Dataset, int]:
-        function = partial(
-            prompt_batch, tokenizer=self.tokenizer, fields=self.job.data, max_len=self.job.data.max_seq_len,
-            skip_bad=self.job.data.on_bad_row == "skip",
-        )
-        dataset = tokenize_rows(rows, function, num_proc=self.job.data.num_proc, description="rendering prompts")
-        skipped = sum(dataset["bad"])
-        return dataset.filter(lambda row: not row["bad"]).remove_columns("bad"), skipped
+        return render_rows(rows, prompt_batch, tokenizer=self.tokenizer, data=self.job.data, description="rendering prompts")
 
     @classmethod
     def check_job(cls, job, world_size: int) -> None:
