@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    REPO, RESULTS, child_env, command_line, deepspeed_command, fmt, fmt_summary, launch, machine, machine_line,
+    REPO, RESULTS, child_env, command_line, deepspeed_command, fmt, fmt_summary, fresh_workspace, launch, machine_line,
     markdown_table, model_init, parameter_count, require_success, summarize, write_results,
 )
 
@@ -218,12 +218,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker(json.loads(Path(args.worker).read_text()))
-    results_dir = Path(args.results_dir)
-    work = results_dir / f"{args.name}_work"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    info = machine()
-    print(machine_line(info))
+    results_dir, work, info = fresh_workspace(args.results_dir, args.name)
     started = time.perf_counter()
     hashing = hashing_gbps(args.hash_mib)
     plan = {"work": str(work / "checkpoints"), "out": str(work / "worker.json"), "repeats": args.repeats,

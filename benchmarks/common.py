@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import socket
 import statistics
 import subprocess
@@ -190,6 +191,18 @@ def machine_line(info: dict[str, Any]) -> str:
         f"python {versions['python']}, torch {versions['torch']}, deepspeed {versions['deepspeed']}, "
         f"transformers {versions['transformers']}; load average at start {info['load_average_at_start']}."
     )
+
+
+def fresh_workspace(results_dir: str | Path, name: str) -> tuple[Path, Path, dict[str, Any]]:
+    """Every benchmark's start: (results_dir, `<results_dir>/<name>_work` emptied and created, the
+    machine's description, printed)."""
+    results_dir = Path(results_dir)
+    work = results_dir / f"{name}_work"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    info = machine()
+    print(machine_line(info))
+    return results_dir, work, info
 
 
 def write_results(name: str, payload: dict[str, Any], markdown: str, results_dir: Path | None = None) -> tuple[Path, Path]:

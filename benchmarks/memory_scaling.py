@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    REPO, RESULTS, child_env, command_line, deepspeed_command, fmt, launch, machine, machine_line, markdown_table,
+    REPO, RESULTS, child_env, command_line, deepspeed_command, fmt, fresh_workspace, launch, machine_line, markdown_table,
     model_init, parameter_count, require_success, write_results,
 )
 
@@ -116,12 +115,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker(json.loads(Path(args.worker).read_text()))
-    results_dir = Path(args.results_dir)
-    work = results_dir / f"{args.name}_work"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    info = machine()
-    print(machine_line(info))
+    results_dir, work, info = fresh_workspace(args.results_dir, args.name)
     started = time.perf_counter()
     init = model_init(args.size, 64)
     parameters = parameter_count(init)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    REPO, RESULTS, child_env, command_line, deepspeed_command, fmt_summary, launch, machine, machine_line, markdown_table,
+    RESULTS, child_env, command_line, deepspeed_command, fmt_summary, fresh_workspace, launch, machine_line, markdown_table,
     model_init, parameter_count, prepare_sft_data, require_success, summarize, write_results,
 )
 
@@ -179,12 +178,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         return worker(json.loads(Path(args.worker).read_text()))
-    results_dir = Path(args.results_dir)
-    work = results_dir / f"{args.name}_work"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    info = machine()
-    print(machine_line(info))
+    results_dir, work, info = fresh_workspace(args.results_dir, args.name)
     unavailable = rollout_api_available()
     if unavailable:
         payload = {"benchmark": "rollout_speed", "command": command_line(), "machine": info, "skipped": unavailable}
