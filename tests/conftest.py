@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import glob
 import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -50,3 +53,43 @@ def python() -> str:
 def deepspeed_launcher() -> list[str]:
     """The real `deepspeed` launcher of this environment."""
     return [str(Path(sys.executable).with_name("deepspeed"))]
+
+
+def run_bounded(command: list[str], timeout: float, **options) -> subprocess.CompletedProcess:
+    """`subprocess.run(command, capture_output=True, text=True)` in a session of its own, so that a
+    timeout kills the whole tree (launcher -> launch.py -> ranks) and fails the test with the output
+    so far. A plain `subprocess.run` timeout kills only the launcher: its ranks live on, holding their
+    port and memory, and hang the launches that come after them."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **options)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise AssertionError(f"{' '.join(map(str, command[:4]))} ... ran past {timeout} s and was killed:\n{stdout[-3000:]}\n{stderr[-3000:]}") from None
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def launch_ranks(arguments: list[str], ranks: int, timeout: float, port: int | None = None) -> subprocess.CompletedProcess:
+    """The real `deepspeed --num_gpus ranks --master_port <free> ARGUMENTS` from the repo root, bounded.
+
+    Every launch gets a free port of its own (DeepSpeed's default 29500 is shared by every launch that
+    forgets one, so one leftover rank blocks them all), and must leave no shared-memory segment behind
+    for it in /dev/shm (see astrai.engine.distributed.skip_shared_memory_allreduce)."""
+    port = port or free_port()
+    command = deepspeed_launcher() + [f"--num_gpus={ranks}", "--master_port", str(port), *map(str, arguments)]
+    finished = run_bounded(command, timeout, cwd=REPO, env=child_env())
+    leaked = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
+    assert not leaked, f"the launch left shared memory behind: {leaked}"
+    return finished
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

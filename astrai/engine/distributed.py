@@ -47,12 +47,31 @@ def setup_distributed(timeout_s: float) -> DistInfo:
     backend = "nccl" if on_gpu else "gloo"
     if on_gpu:
         torch.cuda.set_device(local_rank)
+    else:
+        skip_shared_memory_allreduce()
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timedelta(seconds=timeout_s), verbose=False)
     _bound_deepspeed_world_group(timeout_s)
     device = torch.device(get_accelerator().device_name(local_rank)) if on_gpu else torch.device("cpu")
     pin_threads()
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+SHARED_MEMORY_OP = "deepspeed_shm_comm"
+
+
+def skip_shared_memory_allreduce() -> None:
+    """Keep DeepSpeed's CPU backend from building and starting its shared-memory all-reduce.
+
+    At `init_distributed` on a CPU, DeepSpeed JIT-compiles that op (tens of seconds the first time,
+    under a file lock that a killed build leaves behind, so that every later launch waits on it
+    forever) and each rank maps a 69 MB segment in /dev/shm named after MASTER_PORT that no one ever
+    unlinks: every launch leaked 69 MB of RAM per rank until reboot, and a machine that ran the test
+    suite a few dozen times ran out of memory. The op serves only `inference_all_reduce` (tensor-parallel
+    inference), which training never calls; its collectives go through torch.distributed either way."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__[SHARED_MEMORY_OP] = False  # the one dict DeepSpeed consults before building
 
 
 def pin_threads() -> int:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
-from tests.conftest import REPO, child_env, deepspeed_launcher
+from tests.conftest import REPO, launch_ranks
 
 TINY_JOB = """\
 output_dir: {output_dir}
@@ -79,8 +78,7 @@ def launch_plan(folder: Path, runs: list[dict], ranks: int = 2, timeout: int = 9
     plan = folder / "plan.json"
     results = folder / "results.json"
     plan.write_text(json.dumps({"results": str(results), "runs": runs}))
-    command = deepspeed_launcher() + [f"--num_gpus={ranks}", "--master_port", str(_free_port()), str(REPO / "tests/integration/run_plan.py"), "--plan", str(plan)]
-    completed = subprocess.run(command, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout)
+    completed = launch_ranks([REPO / "tests/integration/run_plan.py", "--plan", plan], ranks, timeout)
     (folder / "launch.log").write_text(completed.stdout + completed.stderr)
     assert completed.returncode == 0, f"launch failed ({completed.returncode}):\n{completed.stdout[-4000:]}\n{completed.stderr[-4000:]}"
     return json.loads(results.read_text())
@@ -89,10 +87,3 @@ def launch_plan(folder: Path, runs: list[dict], ranks: int = 2, timeout: int = 9
 def metrics(folder: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in (folder / name / "metrics.jsonl").read_text().splitlines()]
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]

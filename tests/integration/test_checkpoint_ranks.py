@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,16 +18,11 @@ import pytest
 
 from astrai.checkpoint import find_latest, read_manifest, verify_checkpoint
 from astrai.checkpoint.layout import list_hidden, list_published
+from tests.conftest import free_port
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("checkpoint_rank_worker.py")
 WORLD_SIZE = 2
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def launch(scenario: str, root: Path, timeout_s: float = 120) -> tuple[list[dict | None], list[int], str]:

@@ -11,7 +11,6 @@ against itself.
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from astrai.export import export_checkpoint
-from tests.conftest import REPO, child_env, deepspeed_launcher
+from tests.conftest import launch_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -48,8 +47,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
         overrides = [f"output_dir={root / name}", *TINY_RUN, *settings]
         plan["runs"].append({"name": name, "config": "configs/quickstart.yaml", "set": overrides})
     (root / "plan.json").write_text(json.dumps(plan))
-    command = [*deepspeed_launcher(), "--num_gpus", "2", "tests/integration/run_plan.py", "--plan", str(root / "plan.json")]
-    finished = subprocess.run(command, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
+    finished = launch_ranks(["tests/integration/run_plan.py", "--plan", root / "plan.json"], ranks=2, timeout=600)
     assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
     results = json.loads((root / "results.json").read_text())
     assert all(result["ok"] and result["step"] == 4 for result in results.values()), results

@@ -14,26 +14,19 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from astrai.checkpoint import list_published, verify_checkpoint
-from tests.conftest import REPO, child_env, python
+from tests.conftest import REPO, child_env, free_port, python
 from tests.integration.plan import DATA, TINY_JOB
 
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 600
 ENVIRONMENT = {"ASTR_TEST_JOB_TOKEN": "two nodes, one job", "ASTR_TEST_FLAG": 1, "ASTR_TEST_EMPTY": None}
 RENDERED = {"ASTR_TEST_JOB_TOKEN": "two nodes, one job", "ASTR_TEST_FLAG": "1", "ASTR_TEST_EMPTY": ""}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def write_two_node_job(folder: Path) -> str:

@@ -3,24 +3,23 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
 from astrai.checkpoint import verify_checkpoint
-from tests.conftest import REPO, child_env, deepspeed_launcher
+from tests.conftest import launch_ranks
 
 pytestmark = pytest.mark.slow
 
 
 def test_quickstart_job_runs_through_the_real_launcher(tmp_path):
     output = tmp_path / "quickstart"
-    command = deepspeed_launcher() + [
+    arguments = [
         "astrai/train.py", "--config", "configs/quickstart.yaml",
         "--set", "train.max_steps=40", "--set", f"output_dir={output}", "--set", f"export.hf_dir={output / 'hf'}",
         "--set", "checkpoint.every_steps=20",
     ]
-    result = subprocess.run(command, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=600)
+    result = launch_ranks(arguments, ranks=1, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 41))

@@ -14,14 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, child_env
-from tests.integration.plan import _free_port
+from tests.conftest import REPO, child_env, free_port
 
 pytestmark = pytest.mark.slow
 
 
 def test_a_stalled_rank_fails_the_rollout_sync_in_bounded_time(tmp_path):
-    port = _free_port()
+    port = free_port()
     processes = [
         subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("rollout_stall_worker.py")), str(tmp_path)], cwd=REPO,

@@ -7,12 +7,11 @@ still runs against the current trainer and writes JSON + Markdown. The launching
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import REPO, child_env
+from tests.conftest import REPO, child_env, run_bounded
 
 BENCHMARKS = REPO / "benchmarks"
 
@@ -20,7 +19,7 @@ BENCHMARKS = REPO / "benchmarks"
 def run_benchmark(script: str, tmp_path, *args: str, timeout: int = 300) -> dict:
     name = script.removesuffix(".py")
     command = [sys.executable, str(BENCHMARKS / script), "--results-dir", str(tmp_path), "--name", name, *args]
-    completed = subprocess.run(command, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout)
+    completed = run_bounded(command, timeout, cwd=REPO, env=child_env())  # the benchmark launches ranks of its own
     assert completed.returncode == 0, f"{script} failed:\n{completed.stdout[-3000:]}\n{completed.stderr[-3000:]}"
     assert (tmp_path / f"{name}.md").read_text().strip()
     return json.loads((tmp_path / f"{name}.json").read_text())
