@@ -122,6 +122,27 @@ def test_hash_algorithms(tmp_path, algorithm, digest_length):
     assert verify_checkpoint(report.path).algorithm == algorithm
 
 
+def test_the_job_default_hash_is_sha256_and_is_recorded(tmp_path):
+    """The contract (issue 3): a job that names no `checkpoint.hash` publishes sha256 digests, named in
+    the manifest; xxh3_128 stays a choice. Digests are checked against hashlib, not only their length."""
+    import hashlib
+
+    from astrai.config import load_job
+    from astrai.config.schema import CheckpointConfig
+    from tests.integration.plan import write_job
+
+    assert CheckpointConfig().hash == "sha256"
+    job = load_job(write_job(tmp_path, "tiny"), [])  # a job file without a checkpoint section
+    assert job.checkpoint.hash == "sha256"
+    assert load_job(write_job(tmp_path, "fast"), ["checkpoint.hash=xxh3_128"]).checkpoint.hash == "xxh3_128"
+
+    report = CheckpointPublisher(tmp_path / "checkpoints", hash_algorithm=job.checkpoint.hash).publish(1, payload_writer())
+    document = json.loads((report.path / MANIFEST_NAME).read_text())
+    assert document["hash"] == "sha256"
+    for relative, entry in document["files"].items():
+        assert entry["digest"] == hashlib.sha256((report.path / relative).read_bytes()).hexdigest(), relative
+
+
 def test_xxhash_missing_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "xxhash", None)  # makes `import xxhash` raise ImportError
     with pytest.raises(CheckpointError, match="xxhash package"):
