@@ -85,9 +85,10 @@ def gae(
 def compute_gae(
     rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The public name of `gae` (other tools call it positionally): (advantages, returns), each
-    [batch, response_len], from per-token rewards, values and a 0/1 mask of valid response tokens
-    [batch, response_len] (right-padded). See `gae` for the recursion and the terminal convention."""
+    """The public name of `gae`; other tools call it positionally or by these parameter names, so
+    they are a contract. Returns (advantages, returns), each [batch, response_len], from per-token
+    rewards, values and a 0/1 mask of valid response tokens [batch, response_len] (right-padded).
+    See `gae` for the recursion and the terminal convention."""
     return gae(rewards, values, mask, gamma=gamma, lam=lam)
 
 

@@ -1,6 +1,6 @@
 """Per-token estimators of KL(pi || ref) from the log-probs of tokens sampled from pi.
 
-With log_ratio = logp - logp_ref at a token x ~ pi (Schulman, "Approximating KL Divergence", 2020):
+With log_ratio = logp - ref_logp at a token x ~ pi (Schulman, "Approximating KL Divergence", 2020):
 
     k1 = log_ratio                                   unbiased, can be negative, high variance
     k2 = 0.5 * log_ratio^2                           biased, >= 0, low variance
@@ -22,8 +22,8 @@ import torch
 KL_KINDS = ("k1", "k2", "k3")
 
 
-def _log_ratio(logp: torch.Tensor, logp_ref: torch.Tensor, max_log_ratio: float | None) -> torch.Tensor:
-    log_ratio = logp - logp_ref
+def _log_ratio(logp: torch.Tensor, ref_logp: torch.Tensor, max_log_ratio: float | None) -> torch.Tensor:
+    log_ratio = logp - ref_logp
     if max_log_ratio is not None:
         if not max_log_ratio > 0:
             raise ValueError(f"max_log_ratio must be > 0, got {max_log_ratio}")
@@ -31,34 +31,34 @@ def _log_ratio(logp: torch.Tensor, logp_ref: torch.Tensor, max_log_ratio: float 
     return log_ratio
 
 
-def kl_k1(logp: torch.Tensor, logp_ref: torch.Tensor, *, max_log_ratio: float | None = None) -> torch.Tensor:
-    """k1 = logp - logp_ref. logp, logp_ref: [batch, seq_len] (any shape); returns the same shape."""
-    return _log_ratio(logp, logp_ref, max_log_ratio)
+def kl_k1(logp: torch.Tensor, ref_logp: torch.Tensor, *, max_log_ratio: float | None = None) -> torch.Tensor:
+    """k1 = logp - ref_logp. logp, ref_logp: [batch, seq_len] (any shape); returns the same shape."""
+    return _log_ratio(logp, ref_logp, max_log_ratio)
 
 
-def kl_k2(logp: torch.Tensor, logp_ref: torch.Tensor, *, max_log_ratio: float | None = None) -> torch.Tensor:
-    """k2 = 0.5 * (logp - logp_ref)^2. logp, logp_ref: [batch, seq_len]; returns the same shape."""
-    return 0.5 * _log_ratio(logp, logp_ref, max_log_ratio) ** 2
+def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor, *, max_log_ratio: float | None = None) -> torch.Tensor:
+    """k2 = 0.5 * (logp - ref_logp)^2. logp, ref_logp: [batch, seq_len]; returns the same shape."""
+    return 0.5 * _log_ratio(logp, ref_logp, max_log_ratio) ** 2
 
 
-def kl_k3(logp: torch.Tensor, logp_ref: torch.Tensor, *, max_log_ratio: float | None = None) -> torch.Tensor:
-    """k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1, always >= 0.
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor, *, max_log_ratio: float | None = None) -> torch.Tensor:
+    """k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1, always >= 0.
 
-    logp, logp_ref: [batch, seq_len]; returns the same shape. Computed with expm1 so that small
+    logp, ref_logp: [batch, seq_len]; returns the same shape. Computed with expm1 so that small
     log-ratios keep their precision, and clamped at 0 against rounding below it.
     """
-    reverse_log_ratio = -_log_ratio(logp, logp_ref, max_log_ratio)
+    reverse_log_ratio = -_log_ratio(logp, ref_logp, max_log_ratio)
     return (torch.expm1(reverse_log_ratio) - reverse_log_ratio).clamp_min(0.0)
 
 
 def kl_estimate(
-    logp: torch.Tensor, logp_ref: torch.Tensor, kind: str = "k3", *, max_log_ratio: float | None = None
+    logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3", *, max_log_ratio: float | None = None
 ) -> torch.Tensor:
     """Per-token KL estimate of the given `kind` ("k1", "k2" or "k3"); same shape as logp."""
     if kind == "k1":
-        return kl_k1(logp, logp_ref, max_log_ratio=max_log_ratio)
+        return kl_k1(logp, ref_logp, max_log_ratio=max_log_ratio)
     if kind == "k2":
-        return kl_k2(logp, logp_ref, max_log_ratio=max_log_ratio)
+        return kl_k2(logp, ref_logp, max_log_ratio=max_log_ratio)
     if kind == "k3":
-        return kl_k3(logp, logp_ref, max_log_ratio=max_log_ratio)
+        return kl_k3(logp, ref_logp, max_log_ratio=max_log_ratio)
     raise ValueError(f"kind must be one of {KL_KINDS}, got {kind!r}")

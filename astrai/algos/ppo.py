@@ -106,18 +106,19 @@ def ppo_policy_loss(
     return PolicyLossOutput(loss, clip_fraction, approx_kl, ratio_mean)
 
 
-def explained_variance(predictions: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """1 - Var[targets - predictions] / Var[targets] over valid entries (detached scalar).
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """1 - Var[returns - values] / Var[returns] over valid entries (detached scalar).
 
-    predictions, targets, mask: [batch, response_len]. 1 is a perfect critic, 0 is no better than
-    the mean, < 0 is worse. Returns 0 when Var[targets] is 0 (the ratio is undefined there).
+    values (the critic's predictions), returns (its targets), mask: [batch, response_len]. 1 is a
+    perfect critic, 0 is no better than the mean, < 0 is worse. Returns 0 when Var[returns] is 0
+    (the ratio is undefined there).
     """
     with torch.no_grad():
-        target_var = masked_var(targets, mask, unbiased=False)
-        residual_var = masked_var(targets - predictions, mask, unbiased=False)
-        positive = target_var > 0
-        safe_target_var = torch.where(positive, target_var, torch.ones_like(target_var))
-        return torch.where(positive, 1.0 - residual_var / safe_target_var, torch.zeros_like(target_var))
+        returns_var = masked_var(returns, mask, unbiased=False)
+        residual_var = masked_var(returns - values, mask, unbiased=False)
+        positive = returns_var > 0
+        safe_returns_var = torch.where(positive, returns_var, torch.ones_like(returns_var))
+        return torch.where(positive, 1.0 - residual_var / safe_returns_var, torch.zeros_like(returns_var))
 
 
 def value_loss(
