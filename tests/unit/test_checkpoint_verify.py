@@ -204,20 +204,31 @@ def test_verify_cli(tmp_path, capsys):
     assert verify_main(["--no-such-flag"]) == 2
 
 
-def test_verify_cli_in_a_subprocess(tmp_path):
-    checkpoint = publish(tmp_path, 5, hash_algorithm="xxh3_128")
-    command = "import sys; from astrai.checkpoint.cli import verify_main; sys.exit(verify_main(sys.argv[1:]))"
+def run_verify(*arguments: str) -> subprocess.CompletedProcess:
+    """`python -m astrai verify ARGUMENTS` as a user types it: the real dispatch in astrai/__main__.py."""
+    return subprocess.run(
+        [sys.executable, "-m", "astrai", "verify", *arguments], cwd=REPOSITORY, capture_output=True, text=True, timeout=60
+    )
 
-    def run() -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-c", command, str(tmp_path)], cwd=REPOSITORY, capture_output=True, text=True, timeout=60
-        )
 
-    valid = run()
-    assert valid.returncode == 0 and "step 5, 3 files" in valid.stdout and "xxh3_128" in valid.stdout
+def test_python_m_astrai_verify_in_a_subprocess(tmp_path):
+    output_dir = tmp_path / "run"
+    publish(output_dir / "checkpoints", 4)
+    checkpoint = publish(output_dir / "checkpoints", 5, hash_algorithm="xxh3_128")
+
+    valid = run_verify(str(output_dir))
+    assert valid.returncode == 0, valid.stdout + valid.stderr
+    assert f"OK       {checkpoint}: step 5, 3 files" in valid.stdout and "xxh3_128" in valid.stdout
+    assert "sha256" in valid.stdout and "2 valid, 0 invalid, 0 legacy" in valid.stdout
+
+    flip_byte(checkpoint / "policy" / "a.pt")
+    damaged = run_verify(str(checkpoint))
+    assert damaged.returncode == 1, damaged.stdout + damaged.stderr
+    assert f"INVALID  {checkpoint}: wrong digest: policy/a.pt" in damaged.stdout and "0 valid, 1 invalid" in damaged.stdout
     (checkpoint / "policy" / "a.pt").unlink()
-    broken = run()
-    assert broken.returncode == 1 and "missing: policy/a.pt" in broken.stdout
+    missing = run_verify(str(output_dir), "--latest")
+    assert missing.returncode == 1 and "missing: policy/a.pt" in missing.stdout
+    assert run_verify(str(tmp_path / "absent")).returncode == 2
 
 
 def test_verify_cli_require_parts(tmp_path, capsys):
