@@ -1,6 +1,7 @@
 """online_ppo without DeepSpeed: the ValueModel critic (zero head, trunk parity, folder layout, the policy
 class untouched), frozen targets pinned on the RolloutResult and unchanged across replay epochs, the
-losses by hand, KL in the reward or the loss, the adaptive KL coefficient, reward preprocessing, config."""
+losses by hand, dual-clip and the entropy bonus through compute_loss, advantage whitening, KL in the reward or
+the loss, the adaptive KL coefficient, reward preprocessing, config."""
 
 from __future__ import annotations
 
@@ -12,14 +13,14 @@ import torch
 from pydantic import ValidationError
 from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedModel
 
-from astrai.algos import FixedKLController, compute_gae, kl_shaped_rewards
+from astrai.algos import FixedKLController, compute_gae, kl_shaped_rewards, masked_whiten, ppo_policy_loss
 from astrai.config.schema import JobConfig, ModelConfig
 from astrai.models.policy import build_policy
 from astrai.models.value import ValueModel, build_value_model, load_value_model, trunk_of
 from astrai.rollout.generation import generate_rollout, rollout_metrics
 from astrai.rollout.prompts import render_prompt
 from astrai.rollout.rewards import WeightedReward
-from astrai.rollout.sequences import response_logprobs
+from astrai.rollout.sequences import response_logits, response_logprobs
 from astrai.strategies.online import batch_geometry
 from astrai.strategies.ppo import PPOStrategy
 from tests.unit.rollout_fixtures import PlainEngine, tiny_model, tiny_tokenizer
@@ -195,6 +196,74 @@ def test_losses_at_the_behaviour_weights_by_hand(tokenizer, rollout_and_models):
     assert critic_output.loss.item() == pytest.approx(0.5 * squared.item(), rel=1e-5)  # times vf_coef
     assert critic_output.sums["value_loss"] / tokens == pytest.approx(squared.item(), rel=1e-5)  # logged before vf_coef
     assert critic_output.sums["value_clip_frac"] == 0.0
+
+
+def test_whitened_advantages_are_the_masked_whitening_of_raw_gae_while_returns_keep_the_raw_ones(tokenizer, rollout_and_models):
+    result, policy, _ = rollout_and_models
+    critic = fresh_critic(policy)
+    torch.nn.init.normal_(critic.value_head.weight, std=0.5, generator=torch.Generator().manual_seed(4))
+    critic.value_head.bias.data.fill_(0.3)  # nonzero values: returns = raw advantages + values tells them apart
+    strategy = ppo_with(job(rl={"kl_coef": 0.0, "gamma": 0.9, "gae_lambda": 0.8, "whiten_advantages": True}), tokenizer, critic)
+    targets = strategy.frozen_targets(copy.copy(result))
+    mask = targets["response_mask"]
+    values = targets["values"]
+    assert values[mask.bool()].abs().min() > 0
+    rewards = kl_shaped_rewards(torch.tensor(strategy_rewards(result)), torch.zeros_like(values), mask, 0.0)
+    raw_advantages, raw_returns = compute_gae(rewards, values, mask, 0.9, 0.8)
+    assert torch.allclose(targets["advantages"], masked_whiten(raw_advantages, mask), atol=1e-5)
+    assert torch.allclose(targets["returns"], raw_returns, atol=1e-5) and torch.allclose(raw_returns, raw_advantages + values * mask, atol=1e-6)
+    assert not torch.allclose(targets["returns"], targets["advantages"] + values * mask, atol=1e-2)  # not the whitened ones
+    whitened = targets["advantages"][mask.bool()]
+    assert whitened.mean().item() == pytest.approx(0.0, abs=1e-5) and whitened.std().item() == pytest.approx(1.0, abs=1e-3)
+
+
+def test_dual_clip_through_the_strategy_matches_the_pure_loss(tokenizer, rollout_and_models):
+    result, policy, _ = rollout_and_models
+    strategy = ppo_with(job(rl={"kl_coef": 0.0, "dual_clip_c": 3.0}), tokenizer, fresh_critic(policy))
+    batch = dict(strategy.frozen_targets(copy.copy(result)))
+    mask = batch["response_mask"]
+    generator = torch.Generator().manual_seed(5)
+    current = response_logprobs(policy, batch, temperature=1.0, batch_size=8)
+    # Behaviour log-probs 0..3 nats below the current ones: ratios 1..20, so the dual clip binds on negative advantages.
+    batch["behaviour_logprobs"] = torch.where(mask.bool(), current - 3.0 * torch.rand(current.shape, generator=generator), 0.0)
+    batch["advantages"] = torch.where(mask.bool(), torch.randn(current.shape, generator=generator), 0.0)
+    tokens = float(mask.sum())
+    output = strategy.compute_loss(PlainEngine(policy), batch, normalizer=tokens)
+    pure = ppo_policy_loss(current, batch["behaviour_logprobs"], batch["advantages"], mask, clip_eps=0.2, clip_eps_high=0.2, dual_clip=3.0)
+    undual = ppo_policy_loss(current, batch["behaviour_logprobs"], batch["advantages"], mask, clip_eps=0.2, clip_eps_high=0.2)
+    assert output.loss.item() == pytest.approx(pure.loss.item(), abs=1e-5)
+    assert output.sums["clip_frac"] / tokens == pytest.approx(pure.clip_fraction.item(), abs=1e-6)
+    assert pure.loss.item() < undual.loss.item() - 0.1  # the cap is active on this batch
+
+
+def test_entropy_bonus_is_minus_coef_times_the_token_mean_entropy_and_moves_the_gradient(tokenizer, rollout_and_models):
+    result, policy, _ = rollout_and_models
+    coef = 0.05
+    batch = ppo_with(job(rl={"kl_coef": 0.0}), tokenizer, fresh_critic(policy)).frozen_targets(copy.copy(result))
+    mask = batch["response_mask"].bool()
+    tokens = float(mask.sum())
+
+    def loss_and_gradient(entropy_coef):
+        model = copy.deepcopy(policy)
+        strategy = ppo_with(job(rl={"kl_coef": 0.0, "entropy_coef": entropy_coef}), tokenizer, fresh_critic(policy))
+        output = strategy.compute_loss(PlainEngine(model), batch, normalizer=tokens)
+        output.loss.backward()
+        return output, torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    plain, plain_gradient = loss_and_gradient(0.0)
+    bonus, bonus_gradient = loss_and_gradient(coef)
+    # The token-mean entropy, independently: torch's Categorical over the same response logits.
+    model = copy.deepcopy(policy)
+    entropy = torch.distributions.Categorical(logits=response_logits(model, batch, 1.0)).entropy()
+    entropy_mean = entropy[mask].sum() / tokens
+    entropy_mean.backward()
+    entropy_gradient = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert bonus.sums["policy_loss"] == pytest.approx(plain.sums["policy_loss"], abs=1e-5)  # the surrogate itself is unchanged
+    assert bonus.loss.item() == pytest.approx(plain.loss.item() - coef * entropy_mean.item(), abs=1e-5)
+    assert bonus.sums["entropy"] / tokens == pytest.approx(entropy_mean.item(), rel=1e-5)
+    difference = bonus_gradient - plain_gradient
+    assert difference.norm() > 1e-4 * plain_gradient.norm()
+    assert torch.allclose(difference, -coef * entropy_gradient, atol=1e-6, rtol=1e-4)
 
 
 def test_kl_in_the_loss_instead_of_the_reward(tokenizer, rollout_and_models):
