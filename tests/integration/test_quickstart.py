@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 
 from astrai.checkpoint import verify_checkpoint
 from tests.conftest import launch_ranks
@@ -17,7 +18,7 @@ def test_quickstart_job_runs_through_the_real_launcher(tmp_path):
     arguments = [
         "astrai/train.py", "--config", "configs/quickstart.yaml",
         "--set", "train.max_steps=40", "--set", f"output_dir={output}", "--set", f"export.hf_dir={output / 'hf'}",
-        "--set", "checkpoint.every_steps=20",
+        "--set", "checkpoint.every_steps=10",  # 4 publishes: the job's keep_last: 2 retires two of them
     ]
     result = launch_ranks(arguments, ranks=1, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -29,7 +30,11 @@ def test_quickstart_job_runs_through_the_real_launcher(tmp_path):
     assert sum(r["loss"] for r in records[-5:]) / 5 < 0.6 * records[0]["loss"]  # learned something visible
     assert (output / "job.yaml").is_file() and (output / "tokenizer" / "tokenizer.json").is_file()
     published = sorted(p.name for p in (output / "checkpoints").iterdir())
-    assert published == ["step_00000020", "step_00000040"]
+    assert published == ["step_00000030", "step_00000040"]  # retention kept the newest 2, left nothing hidden
     assert verify_checkpoint(output / "checkpoints" / "step_00000040").step == 40
     assert (output / "hf" / "model.safetensors").is_file() and (output / "hf" / "config.json").is_file()
     assert "[rank0]" in result.stdout + result.stderr  # logs carry the rank
+    assert "train: 100%" in result.stderr and "40/40" in result.stderr  # rank 0's progress bar ran to the end
+    resolved = yaml.safe_load((output / "job.yaml").read_text())  # the job as run, overrides applied
+    assert resolved["output_dir"] == str(output) and resolved["train"]["max_steps"] == 40
+    assert resolved["checkpoint"]["every_steps"] == 10 and resolved["checkpoint"]["hash"] == "sha256"

@@ -134,3 +134,17 @@ def test_train_type_registry_names_what_is_available():
     assert strategy_class("sft").name == "sft" and strategy_class("seq").loop == "offline"
     with pytest.raises(KeyError, match=r"'bogus' is not available in this version \(available: .*seq.*sft"):
         strategy_class("bogus")
+
+
+def test_a_later_quickstart_says_to_run_the_quickstart_first(tmp_path):
+    missing = tmp_path / "runs" / "quickstart" / "hf"
+    with pytest.raises(ConfigError) as error:
+        load_job(str(REPO / "configs/quickstart_grpo.yaml"), [f"model.path={missing}", f"output_dir={tmp_path / 'out'}"])
+    message = str(error.value)
+    assert f"model.path: local folder {str(missing)!r} does not exist" in message
+    assert "run that job first; configs/quickstart.yaml writes runs/quickstart/hf" in message
+
+
+def test_a_hub_name_is_refused_with_a_clear_message(tmp_path):
+    with pytest.raises(ConfigError, match=r"tokenizer\.path: local folder 'meta-llama/Llama-3' does not exist \(hub names cannot be downloaded here"):
+        load_job(write_job(tmp_path, VALID.replace("  build: {{kind: char}}", "  path: meta-llama/Llama-3")))
