@@ -36,6 +36,28 @@ def rank_writer(rank: int, fail_on_rank: int | None = None, exit_on_rank: int | 
     return write
 
 
+def divergent_writer(rank: int, root: Path):
+    """(f) Write callback after which the ranks list different files in the (shared) staging directory.
+
+    Rank 0 also writes `policy/node_local`, a symlink to `/proc/self/cwd/node_local`; each rank works
+    from its own folder `<root>/node<R>` (the caller changes into it), where `node_local` is a folder
+    for rank 0 and a file for rank 1. So one path in the staging directory is a folder (not followed)
+    to rank 0 and a file to rank 1, as a path under which one node mounts local storage is on a
+    multi-node job: rank 1 lists `policy/node_local`, rank 0 does not.
+    """
+    writer = rank_writer(rank)
+    here = root / f"node{rank}"
+    here.mkdir(exist_ok=True)
+    (here / "node_local").mkdir() if rank == 0 else (here / "node_local").write_bytes(b"only rank 1 sees a file")
+
+    def write(staging: Path) -> None:
+        writer(staging)
+        if rank == 0:
+            (staging / "policy" / "node_local").symlink_to("/proc/self/cwd/node_local")
+
+    return write
+
+
 def attempt(action) -> dict:
     """Run one publish; report its path or its error (message, type, type of the chained cause)."""
     started = time.monotonic()
@@ -52,7 +74,7 @@ def attempt(action) -> dict:
 
 def suite(rank: int, root: Path) -> dict:
     """cleanup_stale, (a) normal publish, (b) failing write on rank 1, (c) steps disagree,
-    (e) storage not shared, then a publish again on the same group."""
+    (e) storage not shared, (f) ranks list different files, then a publish again on the same group."""
     group = distributed.new_group(backend="gloo", timeout=timedelta(seconds=30))
     publisher = CheckpointPublisher(root / "checkpoints", parts=["policy"], timeout_s=30, group=group)
     if rank == 0:  # left over by an earlier crash; cleanup_stale (rank 0 works, both ranks wait) removes it
@@ -64,6 +86,10 @@ def suite(rank: int, root: Path) -> dict:
     elsewhere = root / ("checkpoints" if rank == 0 else "node-local-disk")
     unshared = CheckpointPublisher(elsewhere, parts=["policy"], timeout_s=30, group=group)
     results["not_shared"] = attempt(lambda: unshared.publish(40, rank_writer(rank)))
+    divergent = divergent_writer(rank, root)
+    os.chdir(root / f"node{rank}")
+    results["listings_differ"] = attempt(lambda: publisher.publish(60, divergent))
+    os.chdir(root)
     results["after_failures"] = attempt(lambda: publisher.publish(50, rank_writer(rank)))
     return results
 

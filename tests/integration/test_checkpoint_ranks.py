@@ -1,7 +1,8 @@
 """CheckpointPublisher across 2 real gloo ranks (separate processes, rendezvous on 127.0.0.1).
 
 One launch checks, in order: cleanup_stale; a normal publish; a failure injected in rank 1's write callback;
-ranks disagreeing on the step; storage that is not shared; a publish again on the same group.
+ranks disagreeing on the step; storage that is not shared; ranks listing different files in the staging
+directory; a publish again on the same group.
 Two more launches have rank 1 die, or hang, mid-save and check rank 0 fails within the bounded
 timeout with the stalled phase named, and publishes nothing.
 """
@@ -89,6 +90,12 @@ def test_two_ranks_publish_and_fail_together(tmp_path):
     for outcome in (result["not_shared"] for result in results):
         assert not outcome["ok"] and "phase 'shared-storage' on rank 1" in outcome["error"]
         assert "checkpoint storage must be shared by all ranks" in outcome["error"] and "on host" in outcome["error"]
+
+    # (f) rank 1 lists a file rank 0 does not: the listing gather aborts (after its retries), nothing is hashed.
+    for outcome in (result["listings_differ"] for result in results):
+        assert not outcome["ok"] and outcome["type"] == "CheckpointError", outcome
+        assert "checkpoint save step 60: rank 1 sees different files than rank 0 in the staging directory" in outcome["error"]
+        assert "missing [], extra ['policy/node_local']" in outcome["error"] and "nothing was published" in outcome["error"]
 
     # The group survived the failures; failed saves left nothing behind.
     assert all(result["after_failures"]["ok"] for result in results)
