@@ -1,5 +1,5 @@
 """online_ppo with real single-rank DeepSpeed engines in this process: build_run makes a policy and a critic
-engine (each its own clipping), the loop's warmup, versions, metrics and pinned replay, the checkpoint's
+engine (each its own optimizer settings and clipping), the loop's warmup, versions, metrics and pinned replay, the checkpoint's
 parts, the critic export, and resume from a checkpoint without critic/ (refused, or a new critic from
 critic.path)."""
 
@@ -88,8 +88,33 @@ def test_critic_clips_with_its_own_max_grad_norm(one_rank, folder):
     train_online(run)
     record = records(folder, "clipping")[-1]
     assert len(critic_norms) == len(policy_norms) == 2  # two minibatches, one update each
-    assert record["critic_grad_norm"] > 1e-3 and critic_norms[-1] == pytest.approx(1e-4, rel=1e-3)  # reported before clipping; stepped clipped
-    assert policy_norms[-1] == pytest.approx(record["policy_grad_norm"], rel=1e-5) and record["policy_grad_norm"] < 100  # its own setting: unclipped
+    # critic_grad_norm is the norm before clipping (what DeepSpeed reports), far above 1e-4; the gradient
+    # the critic's optimizer steps with is the clipped one, of norm 1e-4.
+    assert record["critic_grad_norm"] > 1e-3 and critic_norms[-1] == pytest.approx(1e-4, rel=1e-3)
+    # The policy follows its own max_grad_norm 100: below it, so its stepped gradient is the reported one.
+    assert record["policy_grad_norm"] < 100 and policy_norms[-1] == pytest.approx(record["policy_grad_norm"], rel=1e-5)
+
+
+def test_critic_optimizer_settings_differ_from_the_policy_and_clipping_defaults_to_the_policy(one_rank, folder):
+    run = make_run(one_rank, folder, "critic_optimizer", "train.lr=1e-3", "train.weight_decay=0.0", "train.lr_schedule=constant",
+                   "train.max_grad_norm=0.5", "critic.lr=4e-3", "critic.weight_decay=0.1", "critic.lr_schedule=linear",
+                   "critic.warmup_steps=1", "critic.warmup_rollouts=0", "checkpoint.every_steps=null")
+    policy, critic = run.engines["policy"], run.engines["critic"]
+    # critic.max_grad_norm unset: the critic clips at train.max_grad_norm, in its config and in DeepSpeed's engine
+    assert run.job.critic.max_grad_norm is None
+    assert critic.ds_config["gradient_clipping"] == policy.ds_config["gradient_clipping"] == 0.5 == critic._engine.gradient_clipping()
+    # weight decay: matrices decay at critic.weight_decay, biases and norms not; the policy keeps train.weight_decay
+    critic_groups, policy_groups = critic._engine.optimizer.param_groups, policy._engine.optimizer.param_groups
+    assert [group["weight_decay"] for group in critic_groups] == [0.1, 0.0] and all(group["params"] for group in critic_groups)
+    assert [group["weight_decay"] for group in policy_groups] == [0.0, 0.0]
+    # LR: peak critic.lr with a linear schedule after one rollout of warmup; 3 steps x 2 epochs x 2 minibatches = 12 updates
+    assert [group["initial_lr"] for group in critic_groups] == [4e-3, 4e-3]
+    assert critic.lr == pytest.approx(4e-3 / 4)  # update 1 of a 4-update warmup
+    multiplier = critic._engine.lr_scheduler.lr_lambdas[0]
+    expected = [1 / 4, 2 / 4, 3 / 4, 1.0] + [1.0 - k / 8 for k in range(1, 9)]  # warmup, then linear decay to 0 at update 12
+    assert [multiplier(completed) for completed in range(12)] == pytest.approx(expected)
+    # the policy: train.lr, constant, no warmup
+    assert policy.lr == pytest.approx(1e-3) and [policy._engine.lr_scheduler.lr_lambdas[0](completed) for completed in range(12)] == [1.0] * 12
 
 
 def test_online_ppo_loop(one_rank, folder):
