@@ -20,7 +20,7 @@ from astrai.algos.logprobs import sequence_logprobs, shift_for_next_token, token
 from astrai.data import render_rows
 from astrai.data.collate import pad_right
 from astrai.data.render import preference_batch
-from astrai.engine import all_gather_objects, make_frozen_engine
+from astrai.engine import FrozenEngine, all_gather_objects, make_frozen_engine, zero3_loading
 from astrai.models.policy import build_policy
 from astrai.strategies.base import StepOutput, Strategy, register
 
@@ -37,6 +37,25 @@ def completion_logprobs(model, batch: dict, average: bool = False) -> torch.Tens
     return logps / mask.sum(dim=-1).clamp(min=1) if average else logps
 
 
+def reference_model(job, tokenizer, ds_config: dict) -> tuple[torch.nn.Module, str]:
+    """The frozen reference's module (`model.reference_path`, else the policy's starting weights) and
+    a line naming its source. Under ZeRO-3 with `model.zero3_init` a `path` loads partitioned, as the
+    policy does (astrai/build.py): a plain load first holds a full fp32 copy on every rank."""
+    model_config = job.model
+    if model_config.reference_path is not None:
+        model_config = model_config.model_copy(update={"path": model_config.reference_path, "init": None})
+    source = model_config.path or f"model.init (seed {job.train.seed}): the policy's starting weights"
+    with zero3_loading(ds_config, model_config.zero3_init and model_config.path is not None):
+        model = build_policy(model_config, tokenizer, job.train.seed)
+    return model, source
+
+
+def build_reference(job, tokenizer, ds_config: dict) -> tuple[FrozenEngine, str]:
+    """The reference as a frozen engine sharded like the trainable `ds_config` (the policy's), and its source."""
+    model, source = reference_model(job, tokenizer, ds_config)
+    return make_frozen_engine(model, ds_config), source
+
+
 @register
 class DpoStrategy(Strategy):
     name = "dpo"
@@ -46,12 +65,7 @@ class DpoStrategy(Strategy):
         return render_rows(rows, preference_batch, tokenizer=self.tokenizer, data=self.job.data, description="rendering preference pairs")
 
     def setup(self, run) -> None:
-        model_config = self.job.model
-        if model_config.reference_path is not None:
-            model_config = model_config.model_copy(update={"path": model_config.reference_path, "init": None})
-        self.reference_source = model_config.path or f"model.init (seed {self.job.train.seed}): the policy's starting weights"
-        reference_model = build_policy(model_config, self.tokenizer, self.job.train.seed)
-        self.reference = make_frozen_engine(reference_model, run.engines["policy"].ds_config)
+        self.reference, self.reference_source = build_reference(self.job, self.tokenizer, run.engines["policy"].ds_config)
         self.device = run.dist.device
         if self.job.dpo.precompute_reference:
             run.dataset = self._precompute(run)

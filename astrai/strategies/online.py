@@ -20,12 +20,11 @@ import torch
 from astrai.config import ConfigError
 from astrai.data import render_rows
 from astrai.data.sampler import ShardedOrder
-from astrai.engine import make_frozen_engine
-from astrai.models.policy import build_policy
 from astrai.rollout import RolloutResult, build_reward, generate_rollout, reward_inputs, sampling_seed
 from astrai.algos.masked import masked_aggregate
 from astrai.rollout.prompts import decode_prompt_row, prompt_batch
 from astrai.strategies.base import StepOutput, Strategy
+from astrai.strategies.dpo import build_reference
 
 logger = logging.getLogger("astrai.online")
 
@@ -94,11 +93,7 @@ class OnlineStrategy(Strategy):
     def build_reference(self, run) -> None:
         """The frozen reference (as `dpo`'s): `model.reference_path`, else the policy's starting weights;
         partitioned like the policy under ZeRO-3."""
-        model_config = self.job.model
-        if model_config.reference_path is not None:
-            model_config = model_config.model_copy(update={"path": model_config.reference_path, "init": None})
-        self.reference_source = model_config.path or f"model.init (seed {self.job.train.seed}): the policy's starting weights"
-        self.reference = make_frozen_engine(build_policy(model_config, self.tokenizer, self.job.train.seed), run.engines["policy"].ds_config)
+        self.reference, self.reference_source = build_reference(self.job, self.tokenizer, run.engines["policy"].ds_config)
 
     def checkpoint_meta(self) -> dict:
         return {"reference": self.reference_source, "reward": self.reward.names}
