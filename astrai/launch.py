@@ -7,7 +7,8 @@ Before anything starts (one message and exit status 2 when something is wrong):
 1. the job is loaded and validated with its overrides, exactly as every rank will load it;
 2. the host list (`infra.nodes` or `infra.hostfile`) is checked: not empty, slots >= 1, no host twice,
    every host and the master address resolve, no loopback master for nodes on other machines, and
-   the launcher's own needs (no_ssh: --node-rank; slurm: equal slots; the launcher program installed);
+   the launcher's own needs (no_ssh: --node-rank; slurm: equal slots; the launcher program installed),
+   and (pdsh, openmpi; not with --dry-run) every node answers `ssh -o BatchMode=yes host true` in bounded time;
 3. `output_dir/launch/hostfile` (DeepSpeed's `host slots=N`) and `output_dir/launch/deepspeed_env`
    (the job's `runtime.environment`) are written.
 Then `deepspeed ... astrai/train.py --config job.yaml [--set ...]` runs (astrai/preflight.py with
@@ -24,6 +25,11 @@ How the environment reaches every node, in DeepSpeed 0.19.8 (deepspeed/launcher/
   into its own environment, which the ranks inherit.
 astrai/train.py exports the same values again at start; what the launcher delivered shows as
 `environment_at_exec` in each rank's report (output_dir/ranks/rank_<k>.json).
+
+NCCL workarounds are opt-in per job: NCCL_* and TORCH_NCCL_* variables of the shell running `launch`
+that the job does not list are removed from the launcher's environment (and named on stderr). Left
+there, DeepSpeed's runner would export every NCCL_* to all nodes (on CUDA hosts: its EXPORT_ENVS plus
+the accelerator's ['NCCL']), and with no_ssh the ranks would inherit them all.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -49,6 +56,11 @@ HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")  # DeepSpeed's own hostfile 
 NEEDS_QUOTES = re.compile(r"[^\w@%+=:,./-]")  # what DeepSpeed's MultiNodeRunner.add_export wraps in "..."
 SHELL_ACTIVE = set('"$`\\')  # still expanded by a shell inside double quotes
 VARIABLE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+HOST_ONLY_PREFIXES = ("NCCL_", "TORCH_NCCL_")  # reach the ranks only when the job lists them
+# pdsh and mpirun reach every node by ssh without a password; probe each one the same way first.
+SSH_LAUNCHERS = ("pdsh", "openmpi")
+SSH_PROBE = ("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5")
+SSH_PROBE_TIMEOUT_S = 15.0
 LAUNCHER_PROGRAMS = {"pdsh": ("pdsh",), "openmpi": ("mpirun", "ompi_info"), "slurm": ("srun", "sinfo"), "no_ssh": ()}
 # Set for each rank by the launchers; one job-wide value would give every rank the same one.
 PER_RANK_VARIABLES = {
@@ -81,6 +93,13 @@ class LaunchPlan:
     env_file: Path
     env_file_values: dict[str, str]
     warnings: list[str] = field(default_factory=list)
+    # NCCL_*/TORCH_NCCL_* of this shell removed from the launcher's environment: the unlisted ones, and
+    # the listed ones the env file carries (so the job's value is the only one DeepSpeed can export).
+    unset: list[str] = field(default_factory=list)
+
+    def launcher_environment(self, base: Mapping[str, str]) -> dict[str, str]:
+        """What the launcher process gets: `base` (this shell) less `unset`, plus `environment`."""
+        return {**{key: value for key, value in base.items() if key not in self.unset}, **self.environment}
 
     @property
     def hostfile_text(self) -> str:
@@ -93,7 +112,8 @@ class LaunchPlan:
 
     def shell_line(self) -> str:
         """The command as one copy-pasteable shell line, environment included."""
-        return shlex.join(["env", *(f"{key}={value}" for key, value in self.environment.items()), *self.command])
+        unset = [part for key in self.unset for part in ("-u", key)]
+        return shlex.join(["env", *unset, *(f"{key}={value}" for key, value in self.environment.items()), *self.command])
 
 
 def read_hostfile(path: Path) -> list[Node]:
@@ -197,10 +217,12 @@ def check_environment(environment: Mapping[str, Any], launcher: str) -> tuple[di
                 f"{where}: DeepSpeed hands {value!r} to {launcher} inside double quotes, which reach the ranks as part of the "
                 "value; astrai/train.py exports the exact value again at start, so only programs that read it earlier see them"
             )
-    inherited = sorted(key for key in os.environ if key.startswith("NCCL_") and key not in values)
-    if inherited:
-        warnings.append(f"{', '.join(inherited)} set in this shell also reach the ranks; put them in runtime.environment to make them part of the job")
     return values, warnings
+
+
+def host_only_variables(environ: Mapping[str, str]) -> list[str]:
+    """NCCL_* / TORCH_NCCL_* set in `environ` (this shell): none passes on unless the job lists it."""
+    return sorted(key for key in environ if key.startswith(HOST_ONLY_PREFIXES))
 
 
 def deepspeed_program() -> str:
@@ -244,6 +266,13 @@ def plan_launch(job, config_path: str | Path, overrides: list[str], *, node_rank
     master_addr = infra.master_addr or nodes[0].host
     check_reachable(nodes, master_addr, "infra.master_addr" if infra.master_addr else f"{nodes[0].where} (the master by default)")
     values, warnings = check_environment(job.runtime.environment, infra.launcher)
+    in_shell = host_only_variables(os.environ)
+    dropped = [key for key in in_shell if key not in values]
+    if dropped:
+        warnings.append(
+            f"not passed to the job: {', '.join(dropped)} (set in this shell, not in runtime.environment; NCCL "
+            "workarounds are opt-in per job: list them there to use them)"
+        )
     env_file_values = dict(values)
     if infra.launcher in ("openmpi", "slurm"):  # mpirun and srun start the trainer directly: it needs these from us
         env_file_values.update({LAUNCHER_VARIABLE: infra.launcher, "MASTER_ADDR": master_addr, "MASTER_PORT": str(infra.master_port)})
@@ -251,9 +280,10 @@ def plan_launch(job, config_path: str | Path, overrides: list[str], *, node_rank
     environment = {"DS_ENV_FILE": str(folder / "deepspeed_env")}
     if infra.launcher == "no_ssh":
         environment.update(values)
+    unset = [key for key in in_shell if key not in environment]
     script = ASTRAI_FOLDER / ("preflight.py" if check else "train.py")
     command = deepspeed_command(job, nodes, folder / "hostfile", node_rank, script, Path(config_path).resolve(), list(overrides), launcher_args)
-    return LaunchPlan(command, environment, nodes, folder / "hostfile", folder / "deepspeed_env", env_file_values, warnings)
+    return LaunchPlan(command, environment, nodes, folder / "hostfile", folder / "deepspeed_env", env_file_values, warnings, unset)
 
 
 def require_programs(launcher: str) -> None:
@@ -262,6 +292,25 @@ def require_programs(launcher: str) -> None:
         raise LaunchError(f"infra.launcher {launcher}: {', '.join(missing)} not found on this machine (DeepSpeed runs it to reach the nodes)")
     if shutil.which(deepspeed_program()) is None:
         raise LaunchError("the `deepspeed` launcher is not installed in this Python environment")
+
+
+def probe_nodes(nodes: list[Node]) -> None:
+    """`ssh -o BatchMode=yes host true` on every node at once, each bounded: a node pdsh or mpirun cannot
+    reach would otherwise start no ranks and leave the other nodes' ranks waiting in the rendezvous."""
+    def failure(node: Node) -> str | None:
+        try:
+            done = subprocess.run([*SSH_PROBE, node.host, "true"], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=SSH_PROBE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return f"no answer within {SSH_PROBE_TIMEOUT_S:g} s"
+        except OSError as error:  # no ssh client on this machine
+            return str(error)
+        return None if done.returncode == 0 else (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+
+    with ThreadPoolExecutor(max_workers=min(32, len(nodes))) as pool:
+        failures = [(node, reason) for node, reason in zip(nodes, pool.map(failure, nodes)) if reason]
+    if failures:
+        listing = "; ".join(f"{node.host} ({node.where}): {reason}" for node, reason in failures)
+        raise LaunchError(f"not reachable by passwordless ssh, which the launcher uses to start the ranks: {listing}")
 
 
 def write_launch_files(plan: LaunchPlan) -> None:
@@ -274,7 +323,7 @@ def write_launch_files(plan: LaunchPlan) -> None:
 
 
 def run(plan: LaunchPlan) -> int:
-    process = subprocess.Popen(plan.command, env={**os.environ, **plan.environment})
+    process = subprocess.Popen(plan.command, env=plan.launcher_environment(os.environ))
     try:
         code = process.wait()
     except KeyboardInterrupt:  # Ctrl-C reached the launcher too (same process group): let it stop its ranks
@@ -303,6 +352,8 @@ def launch_main(argv: list[str] | None = None) -> int:
         plan = plan_launch(job, args.config, args.set, node_rank=args.node_rank, check=args.check, launcher_args=args.launcher_args)
         if not args.dry_run:
             require_programs(job.infra.launcher)
+            if job.infra.launcher in SSH_LAUNCHERS:  # slurm's srun and no_ssh need no ssh
+                probe_nodes(plan.nodes)
         write_launch_files(plan)
     except (ConfigError, OSError) as error:
         print(f"astrai launch: {error}", file=sys.stderr)

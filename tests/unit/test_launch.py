@@ -243,25 +243,60 @@ def test_values_the_environment_file_would_change_are_refused(environment, launc
     assert message in str(raised.value)
 
 
-def test_values_quoted_on_the_way_to_mpirun_are_warned_about(monkeypatch):
-    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth9")
+def test_values_quoted_on_the_way_to_mpirun_are_warned_about():
     _, warnings = launch.check_environment({"A": "two words", "B": "plain/path-1.0"}, "openmpi")
-    assert len(warnings) == 2 and "'two words' to openmpi inside double quotes" in warnings[0]
-    assert warnings[1].startswith("NCCL_SOCKET_IFNAME set in this shell also reach the ranks")
+    assert len(warnings) == 1 and "'two words' to openmpi inside double quotes" in warnings[0]
+
+
+HOST_SHELL_NCCL = {"NCCL_SOCKET_IFNAME": "eth9", "TORCH_NCCL_BLOCKING_WAIT": "1", "NCCL_DEBUG": "TRACE"}
+
+
+def test_nccl_variables_of_this_shell_reach_no_rank_unless_the_job_lists_them(tmp_path, capsys, monkeypatch, resolver):
+    """no_ssh: the ranks inherit the launcher's environment, so the job's values and nothing else."""
+    for key, value in HOST_SHELL_NCCL.items():
+        monkeypatch.setenv(key, value)
+    config = write_job(tmp_path, TWO_NODES.format(launcher="no_ssh"), ENVIRONMENT)  # lists NCCL_DEBUG: INFO
+    code, out, err = dry_run(capsys, config, "--node-rank", "0")
+    assert code == 0, err
+    assert "warning: not passed to the job: NCCL_SOCKET_IFNAME, TORCH_NCCL_BLOCKING_WAIT (set in this shell, not in runtime.environment" in err
+    assert shlex.split(out)[:5] == ["env", "-u", "NCCL_SOCKET_IFNAME", "-u", "TORCH_NCCL_BLOCKING_WAIT"]
+    from astrai.train import load_and_check
+
+    plan = launch.plan_launch(load_and_check(config, []), config, [], node_rank=0)
+    handed = plan.launcher_environment(os.environ)
+    assert "NCCL_SOCKET_IFNAME" not in handed and "TORCH_NCCL_BLOCKING_WAIT" not in handed
+    assert handed["NCCL_DEBUG"] == "INFO" and handed["PATH"] == os.environ["PATH"]  # the job's value; the rest of the shell stays
+
+
+FAKE_SSH = """#!{python}
+# Fake ssh: appends `host command...` to {log}; fails like sshd refusing for hosts in $FAKE_SSH_DOWN.
+import os, sys
+args, index = sys.argv[1:], 0
+while args[index].startswith("-"):
+    index += 2 if args[index] == "-o" else 1
+open({log!r}, "a").write(" ".join(args[index:]) + "\\n")
+if args[index] in os.environ.get("FAKE_SSH_DOWN", "").split(","):
+    sys.exit(f"ssh: connect to host {{args[index]}} port 22: Connection refused")
+"""
 
 
 def fake_programs(folder: Path, record: Path) -> Path:
-    """ssh that always succeeds; pdsh, mpirun and srun that record their argv; the probes DeepSpeed runs."""
+    """ssh that succeeds unless told otherwise (logging each call to ssh.log); pdsh, mpirun and srun that
+    record their argv (and their environment, in <record>.env); the probes DeepSpeed runs."""
     bin_dir = folder / "bin"
     bin_dir.mkdir()
-    recorder = f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv, open({str(record)!r}, 'w'))\n"
-    for name, body in {"ssh": "#!/bin/sh\nexit 0\n", "ompi_info": "#!/bin/sh\nexit 0\n", "sinfo": "#!/bin/sh\nexit 0\n", "pdsh": recorder, "mpirun": recorder, "srun": recorder}.items():
+    recorder = (
+        f"#!{sys.executable}\nimport json, os, sys\njson.dump(sys.argv, open({str(record)!r}, 'w'))\n"
+        f"json.dump(dict(os.environ), open({str(record) + '.env'!r}, 'w'))\n"
+    )
+    ssh = FAKE_SSH.format(python=sys.executable, log=str(folder / "ssh.log"))
+    for name, body in {"ssh": ssh, "ompi_info": "#!/bin/sh\nexit 0\n", "sinfo": "#!/bin/sh\nexit 0\n", "pdsh": recorder, "mpirun": recorder, "srun": recorder}.items():
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(0o755)
     return bin_dir
 
 
-def launch_with_fakes(tmp_path, capsys, monkeypatch, launcher: str) -> list[str]:
+def launch_with_fakes(tmp_path, capsys, monkeypatch, launcher: str, expect: int = 0) -> list[str]:
     """A real (not dry) launch through DeepSpeed's runner, down to the program that would reach the nodes."""
     record = tmp_path / "argv.json"
     monkeypatch.setenv("PATH", f"{fake_programs(tmp_path, record)}{os.pathsep}{os.environ['PATH']}")
@@ -274,8 +309,13 @@ def launch_with_fakes(tmp_path, capsys, monkeypatch, launcher: str) -> list[str]
     nodes = f"infra:\n  launcher: {launcher}\n  nodes: [{{host: localhost, slots: 2}}, {{host: 127.0.0.2, slots: 2}}]\n"
     environment = ENVIRONMENT.replace("    ASTR_TEST_PUNCTUATION", "    ASTR_TEST_PUNCTUATION_UNUSED") if launcher == "slurm" else ENVIRONMENT
     code = launch_main(["--config", write_job(tmp_path, nodes, environment)])
-    assert code == 0, capsys.readouterr().err
-    return json.loads(record.read_text())
+    assert code == expect, capsys.readouterr().err
+    return json.loads(record.read_text()) if record.exists() else []
+
+
+def ssh_calls(tmp_path) -> list[str]:
+    log = tmp_path / "ssh.log"
+    return log.read_text().splitlines() if log.exists() else []
 
 
 def test_pdsh_nodes_get_every_value_exactly_and_nothing_stray(tmp_path, capsys, monkeypatch):
@@ -287,6 +327,39 @@ def test_pdsh_nodes_get_every_value_exactly_and_nothing_stray(tmp_path, capsys, 
     seen = dict(item.split("=", 1) for item in shell.stdout.split("\0") if "=" in item)
     assert {key: seen.get(key) for key in RENDERED} == RENDERED
     assert "ASTR_TEST_STRAY" not in seen
+    # Every node was probed the way pdsh reaches it before anything started.
+    probes = sorted(call for call in ssh_calls(tmp_path) if call.endswith(" true"))  # DeepSpeed's own check runs `hostname`
+    assert probes == ["127.0.0.2 true", "localhost true"]
+
+
+def test_pdsh_gets_no_nccl_variable_of_this_shell_the_job_does_not_list(tmp_path, capsys, monkeypatch):
+    """On CUDA hosts DeepSpeed's runner exports every NCCL_* of its own environment to all nodes."""
+    for key, value in HOST_SHELL_NCCL.items():
+        monkeypatch.setenv(key, value)
+    argv = launch_with_fakes(tmp_path, capsys, monkeypatch, "pdsh")
+    handed = json.loads((tmp_path / "argv.json.env").read_text())  # the environment DeepSpeed's runner ran pdsh with
+    assert not [key for key in handed if key.startswith(("NCCL_", "TORCH_NCCL_"))]
+    exports = next(part for part in argv if part.startswith("export "))
+    assert "NCCL_DEBUG=INFO;" in exports and "TRACE" not in exports and "NCCL_SOCKET_IFNAME" not in exports
+
+
+def test_a_node_ssh_cannot_reach_fails_before_anything_starts(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FAKE_SSH_DOWN", "127.0.0.2")
+    assert launch_with_fakes(tmp_path, capsys, monkeypatch, "pdsh", expect=2) == []  # pdsh never ran
+    err = capsys.readouterr().err
+    assert "not reachable by passwordless ssh" in err and "127.0.0.2 (infra.nodes[1]): ssh: connect to host 127.0.0.2 port 22: Connection refused" in err
+    assert "localhost" not in err.split("not reachable")[1]
+    assert sorted(ssh_calls(tmp_path)) == ["127.0.0.2 true", "localhost true"]
+    assert not (tmp_path / "out/launch").exists()
+
+
+def test_the_ssh_probe_is_skipped_for_dry_runs_and_slurm(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FAKE_SSH_DOWN", "localhost,127.0.0.2")
+    launch_with_fakes(tmp_path, capsys, monkeypatch, "slurm")
+    config = write_job(tmp_path, "infra:\n  launcher: pdsh\n  nodes: [{host: localhost, slots: 1}, {host: 127.0.0.2, slots: 1}]\n")
+    code, _, err = dry_run(capsys, config)
+    assert code == 0, err
+    assert ssh_calls(tmp_path) == []
 
 
 def quoted(value: str) -> str:
