@@ -159,8 +159,8 @@ class HttpReward:
             request = urllib.request.Request(self.url, data=body, headers={"Content-Type": "application/json"}, method="POST")
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    answer = json.loads(response.read())
-                return answer["rewards"] if isinstance(answer, dict) else answer
+                    raw = response.read()
+                return self.rewards_of(raw)
             except urllib.error.HTTPError as error:
                 if error.code not in RETRYABLE_HTTP_STATUS:
                     detail = error.read()[:300].decode(errors="replace")
@@ -168,12 +168,23 @@ class HttpReward:
                 last_error = f"HTTP {error.code}"
             except (urllib.error.URLError, TimeoutError, ConnectionError) as error:
                 last_error = str(getattr(error, "reason", error))
-            except (json.JSONDecodeError, KeyError, TypeError) as error:
-                raise RewardError(f"reward {self.name!r}: the answer is not JSON with a 'rewards' list: {error}") from None
         raise RewardError(
             f"reward {self.name!r}: no answer after {self.retries + 1} attempts in {time.monotonic() - started:.1f} s "
             f"(last error: {last_error}); is the reward service running and reachable from every rank?"
         )
+
+    def rewards_of(self, raw: bytes):
+        """The rewards in a 200 answer; a body that is not that JSON is not retried (the service is up
+        and answering something else: a proxy's HTML page, a wrong route). Length and finiteness are
+        checked by `checked_scores`, as for every source."""
+        try:
+            answer = json.loads(raw)
+            return answer["rewards"] if isinstance(answer, dict) else answer
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
+            raise RewardError(
+                f"reward {self.name!r}: the answer is not JSON with a 'rewards' list ({type(error).__name__}: {error}); "
+                f"it began {raw[:120]!r}"
+            ) from None
 
 
 # ----------------------------------------------------------------------------- combination

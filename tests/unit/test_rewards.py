@@ -1,5 +1,6 @@
 """Rewards: the arithmetic verifier, function loading and argument passing, every error naming its reward,
-weighted components, a real HTTP service on loopback (retries, a down server), a local reward model."""
+weighted components, a real HTTP service on loopback (built from the YAML section; retries, a down server,
+answers of the wrong length, NaN, non-JSON), a local reward model."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
+from astrai.config.loader import parse_yaml
 from astrai.config.schema import RewardConfig
 from astrai.rollout.rewards import (
     FunctionReward,
@@ -143,8 +145,12 @@ class RewardService(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(b"scripted failure")
             return
-        answer = {"rewards": [float(len(r)) for r in body["responses"]]} if step != "bare" else [1.0, 2.0]
-        payload = json.dumps(answer).encode()
+        lengths = [float(len(r)) for r in body["responses"]]
+        answers = {"bare": [1.0, 2.0], "short": {"rewards": lengths[:-1]}, "nan": {"rewards": [1.0, float("nan")]}, "no_key": {"scores": lengths}}
+        if step == "html":
+            payload = b"<html><body>502 Bad Gateway (from a proxy, with status 200)</body></html>"
+        else:
+            payload = json.dumps(answers.get(step, {"rewards": lengths})).encode()  # json writes NaN as the bare token NaN
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(payload)))
@@ -204,6 +210,40 @@ def test_http_reward_down_server_is_a_clear_error():
     with pytest.raises(RewardError, match=r"no answer after 2 attempts .*refused.*is the reward service running") as caught:
         http(f"http://127.0.0.1:{port}/score", retries=1)(INPUTS)
     assert f"127.0.0.1:{port}" in str(caught.value) and time.monotonic() - started < 5
+
+
+def http_from_yaml(url, **settings):
+    """The HTTP reward as a job builds it: the `reward:` section of a YAML file -> RewardConfig -> build_reward."""
+    lines = "".join(f"  {key}: {value}\n" for key, value in {"url": url, "name": "scorer", **settings}.items())
+    return build_reward(RewardConfig.model_validate(parse_yaml(f"reward:\n{lines}")["reward"]), DEVICE)
+
+
+def test_http_reward_built_from_the_yaml_section_honours_its_settings(service):
+    reward = http_from_yaml(service, timeout_s=0.2, retries=1, retry_backoff_s=0.01, weight=2.0)
+    source = reward.sources[0][0]
+    assert isinstance(source, HttpReward) and (source.url, source.timeout_s, source.retries, source.backoff_s) == (service, 0.2, 1, 0.01)
+    assert reward.names == ["scorer"] and reward(INPUTS).total.tolist() == [2.0, 6.0]  # weight 2 x the lengths 1, 3
+    RewardService.plan = ["slow", "slow"]  # 0.5 s each: longer than timeout_s 0.2, twice
+    started = time.monotonic()
+    with pytest.raises(RewardError, match=r"reward 'scorer': no answer after 2 attempts"):
+        reward(INPUTS)
+    assert time.monotonic() - started < 1.0  # timeout_s bounded each attempt (not the 30 s default)
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        ("short", r"reward 'scorer' returned 1 values for 2 responses \(one float per response\)"),
+        ("nan", r"reward 'scorer' returned a non-finite value \(nan\) for response 1"),
+        ("html", r"reward 'scorer': the answer is not JSON with a 'rewards' list \(JSONDecodeError.*it began b'<html><body>502 Bad Gateway"),
+        ("no_key", r"reward 'scorer': the answer is not JSON with a 'rewards' list \(KeyError: 'rewards'\)"),
+    ],
+)
+def test_http_reward_bad_answers_are_clear_errors_naming_the_reward(service, answer, message):
+    RewardService.plan = [answer]
+    with pytest.raises(RewardError, match=message):
+        http_from_yaml(service, retries=2, retry_backoff_s=0.01)(INPUTS)
+    assert len(RewardService.requests) == 1  # an answer that is not rewards is not retried
 
 
 # ----------------------------------------------------------------------------- reward model
