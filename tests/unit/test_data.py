@@ -9,7 +9,7 @@ import pytest
 
 from astrai.data import DataError, tokenize_rows
 from astrai.data.collate import collate_token_rows
-from astrai.data.render import RowError, chat_ids_and_mask, pack_batch, row_messages, sft_batch
+from astrai.data.render import RowError, chat_ids_and_mask, pack_batch, preference_batch, row_messages, sft_batch
 from astrai.data.sampler import ShardedOrder
 from astrai.data.sources import load_rows
 from astrai.models.tokenizer import build_tokenizer
@@ -124,3 +124,50 @@ def test_collate_pads_right(tokenizer):
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, tokenizer.pad_token_id, tokenizer.pad_token_id]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert batch["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
+
+
+PAIR_FIELDS = SimpleNamespace(messages_field="messages", prompt_field="prompt", chosen_field="chosen", rejected_field="rejected")
+
+
+def trained_and_context(tokenizer, ids, mask):
+    return tokenizer.decode([t for t, keep in zip(ids, mask) if keep]), tokenizer.decode([t for t, keep in zip(ids, mask) if not keep])
+
+
+def test_preference_rows_mask_only_the_responses(tokenizer):
+    """A `prompt` row and a `messages` row (whose earlier assistant turn is context, not trained)."""
+    earlier = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}, {"role": "user", "content": "2+5="}]
+    batch = {"prompt": ["3+4=", None], "messages": [None, earlier], "chosen": ["7", "7"], "rejected": ["8", [{"role": "assistant", "content": "9"}]]}
+    out = preference_batch(batch, [0, 1], tokenizer=tokenizer, fields=PAIR_FIELDS, max_len=64, skip_bad=False)
+    assert out["bad"] == [False, False]
+    for row, (chosen, rejected) in enumerate([("7", "8"), ("7", "9")]):
+        for name, answer in (("chosen", chosen), ("rejected", rejected)):
+            ids, mask = out[f"{name}_ids"][row], out[f"{name}_mask"][row]
+            assert len(ids) == len(mask)
+            trained, context = trained_and_context(tokenizer, ids, mask)
+            assert trained == f"{answer}<|im_end|>\n", (row, name)  # the response, its end marker and the template's newline
+            assert context.endswith("<|im_start|>assistant\n") and answer not in context.replace("<|im_start|>", "")
+        # Both completions share the prompt's tokens exactly; only the responses differ.
+        start = out["chosen_mask"][row].index(1)
+        assert out["chosen_ids"][row][:start] == out["rejected_ids"][row][:start] and out["rejected_mask"][row].index(1) == start
+    _, context = trained_and_context(tokenizer, out["chosen_ids"][0], out["chosen_mask"][0])
+    assert "3+4=" in context
+    _, context = trained_and_context(tokenizer, out["chosen_ids"][1], out["chosen_mask"][1])
+    assert "1+1=" in context and "2+5=" in context and "2<|im_end|>" in context  # the earlier answer is context
+
+
+@pytest.mark.parametrize("rejected, reason", [(None, "'rejected' must be a string .*got None"), (4, "'rejected' must be a string .*got 4")])
+def test_malformed_preference_row_names_file_and_row(tmp_path, tokenizer, rejected, reason):
+    # Word answers: a column mixing strings and numbers is read with datasets' Json feature, which
+    # decodes a numeric string ("3") of the good rows as a number too (astrai/data/sources.py).
+    good = {"prompt": "1+1=", "chosen": "two", "rejected": "three"}
+    bad = {"prompt": "2+2=", "chosen": "four"} if rejected is None else {**good, "rejected": rejected}
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in (good, good, bad)))
+    rows = load_rows(str(tmp_path / "pairs.jsonl"), "auto", tmp_path / "cache")
+
+    def function(batch, indices):
+        return preference_batch(batch, indices, tokenizer=tokenizer, fields=PAIR_FIELDS, max_len=64, skip_bad=False)
+
+    with pytest.raises(DataError, match=rf"pairs\.jsonl row 3: {reason}"):
+        tokenize_rows(rows, function, num_proc=1, description="test")
+    skipped = preference_batch({"prompt": ["1+1="], "chosen": ["2"], "rejected": [rejected]}, [0], tokenizer=tokenizer, fields=PAIR_FIELDS, max_len=64, skip_bad=True)
+    assert skipped["bad"] == [True] and skipped["chosen_ids"] == [[]]
