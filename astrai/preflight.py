@@ -146,10 +146,9 @@ def node_device_count() -> int:
 
 
 def interconnect_topology() -> str | None:
-    """`nvidia-smi topo -m` (NVLink/NVSwitch, PCIe, NIC affinity) on GPU hosts that have it."""
-    import torch
-
-    if not torch.cuda.is_available() or shutil.which("nvidia-smi") is None:
+    """`nvidia-smi topo -m` (NVLink/NVSwitch, PCIe, NIC affinity) when nvidia-smi is on PATH, else None;
+    rank_facts asks only on GPU ranks."""
+    if shutil.which("nvidia-smi") is None:
         return None
     try:
         completed = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=TOPOLOGY_TIMEOUT_S)
@@ -191,7 +190,8 @@ def rank_facts(job, dist=None) -> dict[str, Any]:
         "environment": {key: environ.get(key) for key in keys},
         "environment_at_exec": None if at_exec is None else {key: at_exec.get(key) for key in keys},
         "communication_environment": communication_environment(environ),
-        "topology": interconnect_topology() if dist is not None and local_rank == 0 else None,  # once per node
+        # Once per node, on GPU hosts: a CPU host's nvidia-smi (drivers without devices) only fails.
+        "topology": interconnect_topology() if dist is not None and local_rank == 0 and dist.device.type == "cuda" else None,
         "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 

@@ -419,10 +419,10 @@ def test_environment_at_exec_is_the_environment_the_process_started_with(monkeyp
     assert at_exec is not None and "PATH" in at_exec and "ASTR_TEST_SET_LATER" not in at_exec
 
 
-def facts(rank, node_rank, host, *, torch_version="2.13.0", kind="cpu", node_devices=0, local_rank=0, nccl=None):
+def facts(rank, node_rank, host, *, torch_version="2.13.0", deepspeed_version="0.19.8", kind="cpu", node_devices=0, local_rank=0, nccl=None, topology=None):
     return {
         "rank": rank, "node_rank": node_rank, "host": host, "local_rank": local_rank, "device_kind": kind, "node_devices": node_devices,
-        "topology": None, "versions": {"python": "3.11.9", "torch": torch_version, "deepspeed": "0.19.8", "cuda": None},
+        "topology": topology, "versions": {"python": "3.11.9", "torch": torch_version, "deepspeed": deepspeed_version, "cuda": None},
         "communication_environment": nccl or {},
     }
 
@@ -451,6 +451,46 @@ def test_mismatches_are_named_with_their_ranks():
     ]
 
 
+def test_a_deepspeed_version_mismatch_is_named_with_its_ranks():
+    everyone = [facts(r, r // 2, f"node-{'ab'[r // 2]}", local_rank=r % 2, deepspeed_version="0.19.8" if r < 2 else "0.18.4") for r in range(4)]
+    summary = preflight.summarize(everyone)
+    assert preflight.find_problems(summary, everyone, gpus_per_node=None) == [
+        "ranks run different deepspeed versions (0.18.4 on ranks 2-3; 0.19.8 on ranks 0-1): install the same deepspeed on every node",
+    ]
+    assert "deepspeed 0.18.4/0.19.8" in preflight.describe(summary)[0]
+
+
+TOPOLOGY = "\tGPU0\tGPU1\tNIC0\nGPU0\t X \tNV18\tPXB\nGPU1\tNV18\t X \tPXB\n"
+
+
+def fake_nvidia_smi(folder: Path, script: str) -> Path:
+    """An `nvidia-smi` first on PATH that logs its arguments to nvidia-smi.args and runs `script`."""
+    bin_dir = folder / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    program = bin_dir / "nvidia-smi"
+    program.write_text(f'#!/bin/sh\necho "$@" >> "{folder}/nvidia-smi.args"\n{script}\n')
+    program.chmod(0o755)
+    return bin_dir
+
+
+def test_interconnect_topology_comes_from_nvidia_smi_and_joins_the_description(tmp_path, monkeypatch):
+    bin_dir = fake_nvidia_smi(tmp_path, f"printf '{TOPOLOGY}'")
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    matrix = preflight.interconnect_topology()
+    assert matrix == TOPOLOGY and (tmp_path / "nvidia-smi.args").read_text() == "topo -m\n"
+    everyone = [facts(0, 0, "node-a", kind="NVIDIA H100", node_devices=2, topology=matrix), facts(1, 0, "node-a", kind="NVIDIA H100", node_devices=2, local_rank=1)]
+    lines = preflight.describe(preflight.summarize(everyone))
+    assert lines[-1] == "topology of node 0 node-a (nvidia-smi topo -m):\n" + matrix.rstrip()
+
+
+def test_interconnect_topology_failures_are_reported_not_raised(tmp_path, monkeypatch):
+    bin_dir = fake_nvidia_smi(tmp_path, "echo 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver' >&2; exit 9")
+    monkeypatch.setenv("PATH", str(bin_dir))
+    assert preflight.interconnect_topology() == "nvidia-smi topo -m failed: NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver"
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    assert preflight.interconnect_topology() is None
+
+
 def test_rank_ranges():
     assert preflight.rank_ranges([8, 0, 1, 2, 3, 10, 11]) == "0-3, 8, 10-11" and preflight.rank_ranges([4]) == "4"
 
@@ -472,6 +512,8 @@ def test_one_rank_writes_its_report_and_the_preflight(tmp_path, monkeypatch):
     assert written == json.loads(json.dumps(report))
     assert written["environment"]["ASTR_TEST_WORDS"] == "changed by someone" and written["environment"]["ASTR_TEST_INT"] is None
     assert (written["rank"], written["node_rank"], written["world_size"], written["device"], written["joined_process_group"]) == (0, 0, 1, "cpu", True)
+    assert written["host"] == socket.gethostname() and written["pid"] == os.getpid()
+    assert written["topology"] is None  # asked of nvidia-smi only on GPU ranks
     assert written["versions"]["torch"] == torch.__version__ and written["versions"]["deepspeed"]
     with pytest.raises(PreflightError, match="node 0 .* has 0 GPUs, infra.gpus_per_node says 8"):
         preflight.preflight_check(job, dist, report)
