@@ -1,4 +1,5 @@
-"""Rollouts: the prompt + response layout and its masks, generation, behaviour log-probs, prompt rendering.
+"""Rollouts: the prompt + response layout and its masks, generation, behaviour log-probs, top_k/top_p
+truncation (top_k 1 is greedy; every sampled token inside the top k / the nucleus), prompt rendering.
 
 Tolerance of "behaviour log-probs equal a fresh forward": 1e-5 absolute, fp32 on CPU. The behaviour
 log-probs come from a batched forward over left-padded prompts with explicit position ids; the fresh
@@ -156,6 +157,62 @@ def test_sampling_is_seeded_per_rollout_and_ignores_model_generation_defaults(mo
     assert torch.equal(first.response_ids, again.response_ids)
     assert not torch.equal(first.response_ids, other.response_ids)
     assert len(set(first.response_texts)) > 1  # not greedy: top_k 0 of our settings won over the model's 1
+
+
+def greedy_continuation(model, prompt: list[int], max_new_tokens: int, eos: int) -> list[int]:
+    """Argmax decoding by hand, one full forward per token (no generate, no cache): up to and including EOS."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+            if ids[-1] == eos:
+                break
+    return ids[len(prompt) :]
+
+
+def sampled_token_standing(model, result, prompt_ids) -> tuple[list[int], list[float]]:
+    """For each valid response token: how many tokens the model found likelier there, and their probability mass."""
+    ranks, masses = [], []
+    for index in range(result.size):
+        prompt = prompt_ids[index // result.group_size]
+        response = result.response_ids[index][result.response_mask[index].bool()].tolist()
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(response)]
+        probabilities = torch.softmax(logits.double(), dim=-1)
+        for position, token in enumerate(response):
+            likelier = probabilities[position] > probabilities[position, token]
+            ranks.append(int(likelier.sum()))
+            masses.append(float(probabilities[position][likelier].sum()))
+    return ranks, masses
+
+
+@pytest.mark.parametrize("truncation", [{"top_k": 1}, {"top_p": 1e-3}])
+def test_top_k_1_and_a_tiny_top_p_sample_the_greedy_response(model, tokenizer, truncation):
+    prompt_ids, messages = prompts_of(tokenizer, ["5+5=", "12-3="])
+    result = generate_rollout(PlainEngine(model), tokenizer, prompt_ids, messages, [{}, {}], settings(group_size=4, **truncation),
+                              seed=7, policy_version=0, logprob_batch_size=8)
+    for index in range(result.size):
+        response = result.response_ids[index][result.response_mask[index].bool()].tolist()
+        assert response == greedy_continuation(model, prompt_ids[index // 4], 6, tokenizer.eos_token_id), index
+    plain = generate_rollout(PlainEngine(model), tokenizer, prompt_ids, messages, [{}, {}], settings(group_size=4), seed=7, policy_version=0, logprob_batch_size=8)
+    assert len(set(plain.response_texts)) > 2  # the same seed without truncation samples diverse responses
+
+
+def test_top_k_and_top_p_restrict_each_sampled_token(model, tokenizer):
+    prompt_ids, messages = prompts_of(tokenizer, ["5+5=", "12-3="])
+
+    def standing(**truncation):
+        result = generate_rollout(PlainEngine(model), tokenizer, prompt_ids, messages, [{}, {}], settings(group_size=8, **truncation),
+                                  seed=3, policy_version=0, logprob_batch_size=8)
+        return sampled_token_standing(model, result, prompt_ids)
+
+    ranks, masses = standing()
+    assert max(ranks) >= 3 and max(masses) > 0.5  # untruncated: tokens far down the distribution occur
+    ranks, _ = standing(top_k=3)
+    assert max(ranks) <= 2 and len(set(ranks)) > 1  # only the 3 likeliest, and not only the first
+    _, masses = standing(top_p=0.3)
+    assert max(masses) < 0.3  # inside the nucleus: the likelier tokens hold less than top_p
+    assert sum(mass > 0 for mass in masses) > 0  # and not only the argmax
 
 
 def test_rollout_leaves_the_global_rng_alone(model, tokenizer):
