@@ -82,13 +82,23 @@ def response_logits(model, sequences: dict[str, torch.Tensor], temperature: floa
     [N, R]. Dividing by the sampling temperature makes these the log-probs of the distribution the
     tokens were sampled from (as TRL and verl do), so ratios and KL compare like with like.
     """
-    logits = model(
-        input_ids=sequences["input_ids"], attention_mask=sequences["attention_mask"], position_ids=sequences["position_ids"]
-    ).logits
     response_len = sequences["response_ids"].shape[1]
     prompt_len = sequences["input_ids"].shape[1] - response_len
-    logits = logits[:, prompt_len - 1 : prompt_len - 1 + response_len]
+    inputs = {key: sequences[key] for key in ("input_ids", "attention_mask", "position_ids")}
+    if _keeps_logits(model):  # the LM head over the last R + 1 columns only, not over the whole prompt
+        logits = model(**inputs, logits_to_keep=response_len + 1).logits[:, :response_len]
+    else:
+        logits = model(**inputs).logits[:, prompt_len - 1 : prompt_len - 1 + response_len]
     return logits if temperature == 1.0 else logits / temperature
+
+
+def _keeps_logits(model) -> bool:
+    """Whether the causal LM under `model` (an engine wraps it as `.module`) takes transformers'
+    `logits_to_keep`: most do; for one that does not, the full logits are sliced instead."""
+    import inspect
+
+    module = getattr(model, "module", model)
+    return "logits_to_keep" in inspect.signature(module.forward).parameters
 
 
 def response_values(critic, sequences: dict[str, torch.Tensor]) -> torch.Tensor:
