@@ -18,6 +18,7 @@ either no destination or the previous export, never a half-written folder under 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -31,7 +32,7 @@ logger = logging.getLogger("astrai.export")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PARTS = ("policy", "critic")
-LARGE_MODEL_BYTES = 2**30  # above this, the progress bar shows even when stderr is not a terminal
+LARGE_MODEL_BYTES = 2**30  # fp32 size above which the progress bar shows even when stderr is not a terminal
 
 
 class ExportError(Exception):
@@ -190,12 +191,8 @@ def prepare_state(state: dict[str, torch.Tensor], model, dtype: torch.dtype) -> 
     if missing or unexpected or wrong_shape:
         problems = [f"{label}: {', '.join(names)}" for label, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong_shape)) if names]
         raise ExportError("checkpoint weights do not fit the job's architecture: " + "; ".join(problems))
-    from tqdm.auto import tqdm
-
-    total_bytes = sum(tensor.numel() * tensor.element_size() for tensor in state.values())
-    show = sys.stderr.isatty() or total_bytes > LARGE_MODEL_BYTES
     converted = {}
-    for name in tqdm(sorted(state), desc=f"export: weights to {dtype}", unit="tensor", disable=not show):
+    for name in sorted(state):
         converted[name] = state.pop(name).to(dtype).contiguous()
     return converted
 
@@ -239,6 +236,31 @@ def set_generation_config(model, tokenizer, job) -> None:
         model.generation_config.bos_token_id = tokenizer.bos_token_id
 
 
+# ----------------------------------------------------------------------------- progress
+
+
+def progress_bar(model, show: bool | None):
+    """A bar over the export's four slow phases (consolidating the checkpoint's shards, casting, writing
+    the safetensors shards, flushing them to disk), one tick each, named while in progress: each is one
+    library call (DeepSpeed's zero_to_fp32, transformers' save_pretrained, whose own bars show progress
+    inside it) or one pass over the files. `show` None: when stderr is a terminal or the fp32 weights
+    exceed LARGE_MODEL_BYTES (so the log of a long export says where it is)."""
+    from tqdm import tqdm
+
+    if show is None:
+        fp32_bytes = 4 * sum(parameter.numel() for parameter in model.parameters())  # meta tensors: sizes only
+        show = sys.stderr.isatty() or fp32_bytes > LARGE_MODEL_BYTES
+    # No rate or ETA: phases differ too much in length for either to mean anything.
+    return tqdm(total=4, desc="export-hf", bar_format="{desc} |{bar:20}| {n_fmt}/{total_fmt} phases, {elapsed}", disable=not show)
+
+
+@contextlib.contextmanager
+def phase(bar, name: str):
+    bar.set_description_str(f"export-hf: {name}")
+    yield
+    bar.update()
+
+
 # ----------------------------------------------------------------------------- crash-safe writing
 
 
@@ -252,16 +274,13 @@ def fsync_tree(folder: Path) -> None:
     for directory, _, names in os.walk(folder):
         for name in names:
             os.chmod(Path(directory) / name, 0o666 & ~umask)
-            descriptor = os.open(Path(directory) / name, os.O_RDONLY)
-            try:
-                os.fsync(descriptor)
-            finally:
-                os.close(descriptor)
-        fsync_dir(Path(directory))
+            fsync_path(Path(directory) / name)
+        fsync_path(Path(directory))
 
 
-def fsync_dir(folder: Path) -> None:
-    descriptor = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+def fsync_path(path: Path) -> None:
+    """A file's or a directory's data and entry on stable storage."""
+    descriptor = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if path.is_dir() else 0))
     try:
         os.fsync(descriptor)
     finally:
@@ -306,9 +325,26 @@ def publish(staging: Path, destination: Path, overwrite: bool) -> None:
         if retired is not None:  # put the earlier export back rather than leave no destination
             os.rename(retired, destination)
         raise
-    fsync_dir(destination.parent)
+    fsync_path(destination.parent)
     if retired is not None:
         shutil.rmtree(retired)
+
+
+def write_export(model, tokenizer, destination: Path, overwrite: bool, max_shard_size: str | int, bar) -> None:
+    """Write the export into a hidden staging folder beside `destination`, then publish it by rename;
+    on any failure the staging folder goes, and the destination is as it was."""
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_staging(destination)
+    staging = destination.with_name(f".{destination.name}.staging-{uuid.uuid4().hex}")
+    staging.mkdir()
+    try:
+        with phase(bar, "writing shards"):
+            write_files(model, tokenizer, staging, max_shard_size)
+        with phase(bar, "flushing to disk"):
+            publish(staging, destination, overwrite)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -324,8 +360,10 @@ def export_checkpoint(
     overwrite: bool = False,
     max_shard_size: str | int = "5GB",
     tokenizer_dir: str | Path | None = None,
+    progress: bool | None = None,
 ) -> Path:
-    """Export one checkpoint's `part` as a Hugging Face folder at `destination`; returns its path."""
+    """Export one checkpoint's `part` as a Hugging Face folder at `destination`; returns its path.
+    `progress`: show the progress bar (None: when stderr is a terminal or the model is large)."""
     if dtype not in DTYPES:
         raise ExportError(f"--dtype: unknown dtype {dtype!r} (use one of {', '.join(DTYPES)})")
     checkpoint, destination = Path(checkpoint_dir), Path(destination)
@@ -334,33 +372,33 @@ def export_checkpoint(
     job = load_checkpoint_job(checkpoint)
     tokenizer = load_export_tokenizer(job, checkpoint, tokenizer_dir)
     model = critic_skeleton(job, tokenizer) if part == "critic" else build_skeleton(job, tokenizer)
+    bar = progress_bar(model, progress)
     try:
-        state = part_weights(checkpoint / part)
-    except (OSError, ValueError, KeyError) as error:
-        raise ExportError(f"cannot read the DeepSpeed weights in {checkpoint / part}: {error}") from None
-    load_weights(model, prepare_state(state, model, DTYPES[dtype]), DTYPES[dtype])
-    if part == "policy":
-        set_generation_config(model, tokenizer, job)
-
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_staging(destination)
-    staging = destination.with_name(f".{destination.name}.staging-{uuid.uuid4().hex}")
-    staging.mkdir()
-    try:
-        write_files(model, tokenizer, staging, max_shard_size)
-        publish(staging, destination, overwrite)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+        with phase(bar, "consolidating weights"):
+            try:
+                state = part_weights(checkpoint / part)
+            except (OSError, ValueError, KeyError) as error:
+                raise ExportError(f"cannot read the DeepSpeed weights in {checkpoint / part}: {error}") from None
+        with phase(bar, f"casting to {dtype}"):
+            load_weights(model, prepare_state(state, model, DTYPES[dtype]), DTYPES[dtype])
+        if part == "policy":
+            set_generation_config(model, tokenizer, job)
+        write_export(model, tokenizer, destination, overwrite, max_shard_size, bar)
+    finally:
+        bar.close()
     logger.info("exported %s (%s, %s) to %s", checkpoint, part, dtype, destination)
     return destination
 
 
 def export_finished_run(job) -> Path:
-    """`export.on_finish`: the run's newest checkpoint to `export.hf_dir`, replacing an earlier export.
+    """`export.on_finish` (rank 0, after training): the run's newest checkpoint to `export.hf_dir`,
+    replacing an earlier export; the bar follows `runtime.progress_bar`.
 
-    Not re-verified: the publisher hashed these files moments ago, and re-hashing a large
-    checkpoint would add minutes to every run.
+    Not re-verified, the one exception to "export reads only verified checkpoints": this process has
+    just published that checkpoint (files hashed into its manifest, then renamed into place), so hashing
+    it again would re-read what it wrote seconds ago and add minutes to every large run. A relaunch of a
+    finished run trains no step and exports the checkpoint it resumed from instead; that one is
+    re-hashed on load only with `checkpoint.verify_on_load: true` (docs/guides/export.md).
     """
     from astrai.checkpoint import find_latest
 
@@ -369,7 +407,8 @@ def export_finished_run(job) -> Path:
     checkpoint = find_latest(Path(job.output_dir) / "checkpoints")
     if checkpoint is None:
         raise ExportError(f"export.on_finish: no checkpoint in {job.output_dir}/checkpoints to export")
-    return export_checkpoint(checkpoint, job.export.hf_dir, dtype=job.export.dtype, verify=False, overwrite=True)
+    progress = None if job.runtime.progress_bar else False
+    return export_checkpoint(checkpoint, job.export.hf_dir, dtype=job.export.dtype, verify=False, overwrite=True, progress=progress)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -396,11 +435,14 @@ def export_main(argv: list[str]) -> int:
     from astrai.checkpoint import CheckpointError
 
     try:
-        checkpoint = resolve_checkpoint(args.checkpoint)
-        path = export_checkpoint(
-            checkpoint, args.destination, dtype=args.dtype, part=args.part, verify=not args.no_verify,
-            overwrite=args.overwrite, max_shard_size=args.max_shard_size, tokenizer_dir=args.tokenizer_dir,
-        )
+        # stdout carries the destination alone (`dest=$(python -m astrai export-hf ...)`); DeepSpeed prints
+        # its consolidation steps and import warnings there, so those go to stderr with the log.
+        with contextlib.redirect_stdout(sys.stderr):
+            checkpoint = resolve_checkpoint(args.checkpoint)
+            path = export_checkpoint(
+                checkpoint, args.destination, dtype=args.dtype, part=args.part, verify=not args.no_verify,
+                overwrite=args.overwrite, max_shard_size=args.max_shard_size, tokenizer_dir=args.tokenizer_dir,
+            )
     except (ExportError, CheckpointError, OSError, ValueError) as error:
         message = " ".join(str(error).split())  # one line, whatever the wrapped error looked like
         print(f"astrai export-hf: {message}", file=sys.stderr)

@@ -2,7 +2,8 @@
 
 One tiny SFT run (one process, ~10 s) writes checkpoints at steps 3 and 5 for the whole module. The
 reference for every logits check is independent of the export code path: DeepSpeed's consolidated
-weights loaded into the model `build_policy` builds, exactly as training built it.
+weights loaded into the model `build_policy` builds, exactly as training built it. One export runs as
+the real `python -m astrai export-hf` subprocess (the fp16 one); the others call the same code in-process.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from astrai import export
 from astrai.export import ExportError, export_checkpoint, export_finished_run, export_main, resolve_checkpoint
-from tests.conftest import REPO, child_env, python
+from tests.conftest import REPO, child_env, python, run_bounded
 
 TINY_RUN = [
     "train.max_steps=5", "checkpoint.every_steps=3", "checkpoint.keep_last=null", "train.micro_batch_size=4",
@@ -29,6 +30,11 @@ TINY_RUN = [
     "runtime.progress_bar=false", "runtime.tensorboard=false",
 ]
 NO_CRITIC = "checkpoint has no critic part (only online_ppo jobs have one)"
+# fp16 keeps 11 significant bits (relative rounding <= 2**-11 ~ 4.9e-4 per weight); with the forward
+# itself in fp16 the logits (|logit| < 1 here) of this 2-layer model moved by 3.5e-4 (measured; bf16:
+# 2.4e-3). 2e-3 leaves room for other CPUs and is still far below what one wrong tensor does (~0.1-1).
+FP16_LOGITS_ATOL = 2e-3
+PHASES = ("consolidating weights", "casting to fp32", "writing shards", "flushing to disk")
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +135,57 @@ def test_bf16_export_holds_the_weights_cast_to_bf16(tmp_path, checkpoint, refere
     assert json.loads((destination / "config.json").read_text())["dtype"] == "bfloat16"
 
 
+def test_fp16_export_by_the_cli_loads_and_gives_the_fp32_logits_within_fp16_rounding(tmp_path, checkpoint, reference):
+    """The real `python -m astrai export-hf` process: stdout is the destination and nothing else."""
+    model, state = reference
+    destination = tmp_path / "hf"
+    command = [python(), "-m", "astrai", "export-hf", str(checkpoint), str(destination), "--dtype", "fp16"]
+    finished = run_bounded(command, timeout=120, cwd=REPO, env=child_env())
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert finished.stdout == f"{destination}\n", finished.stdout  # DeepSpeed's own prints went to stderr
+    assert "verified" in finished.stderr
+    with safe_open(destination / "model.safetensors", "pt") as weights:
+        assert set(weights.keys()) == set(state) - {"lm_head.weight"}
+        for name in weights.keys():
+            assert torch.equal(weights.get_tensor(name), state[name].to(torch.float16)), name
+    loaded = AutoModelForCausalLM.from_pretrained(destination, dtype="auto").eval()
+    assert loaded.dtype == torch.float16
+    batch = fixed_batch(model.config.vocab_size)
+    torch.testing.assert_close(logits_of(loaded, batch), logits_of(model, batch), atol=FP16_LOGITS_ATOL, rtol=0)
+
+
+def test_exported_tokenizer_encodes_and_renders_chats_as_in_training(exported, checkpoint, tmp_path):
+    """Against the tokenizer as training made it (`make_tokenizer`: built in memory from the data),
+    through the training's own rendering (`chat_ids_and_mask`), on real rows and a multi-turn chat."""
+    from astrai.build import make_tokenizer
+    from astrai.config import load_job
+    from astrai.data.render import chat_ids_and_mask, row_messages
+    from astrai.data.sources import load_rows
+
+    job = load_job(checkpoint / "job.yaml", check_paths=False)
+    rows = load_rows(str(REPO / job.data.path), job.data.format, tmp_path / "cache")
+    training = make_tokenizer(job, rows, tmp_path, is_main=False)
+    tokenizer = AutoTokenizer.from_pretrained(exported)
+    assert tokenizer.chat_template == training.chat_template
+    special = ("eos_token_id", "pad_token_id", "bos_token_id")
+    assert [getattr(tokenizer, name) for name in special] == [getattr(training, name) for name in special]
+    chats = [row_messages(rows.dataset[index], index, job.data) for index in range(6)]
+    multi_turn = [{"role": "system", "content": "Reply with the number."}] + [message for chat in chats[:3] for message in chat]
+    assert len(multi_turn) == 7
+    for chat in [*chats, multi_turn]:
+        for message in chat:
+            assert tokenizer.encode(message["content"]) == training.encode(message["content"]), message
+        for generation_prompt in (False, True):
+            rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=generation_prompt)
+            assert rendered == training.apply_chat_template(chat, tokenize=False, add_generation_prompt=generation_prompt)
+        assert chat_ids_and_mask(tokenizer, chat) == chat_ids_and_mask(training, chat)  # ids and loss mask as trained
+    text = tokenizer.apply_chat_template(multi_turn, tokenize=False)
+    assert text.count("<|im_start|>") == 7 and text.endswith("<|im_end|>\n")
+    ids, mask = chat_ids_and_mask(tokenizer, multi_turn)
+    assert tokenizer.unk_token_id not in tokenizer.encode(chats[0][0]["content"])  # the data's characters are in the vocab
+    assert sum(mask) == sum(len(tokenizer.encode(m["content"] + "<|im_end|>\n")) for m in multi_turn if m["role"] == "assistant")
+
+
 def test_small_max_shard_size_writes_an_index(tmp_path, checkpoint, reference):
     model, _ = reference
     code = export_main([str(checkpoint), str(tmp_path / "hf"), "--max-shard-size", "20KB", "--no-verify"])
@@ -177,6 +234,15 @@ def test_legacy_checkpoint_warns_and_exports(tmp_path, checkpoint, caplog):
     assert (tmp_path / "hf" / "model.safetensors").is_file()
 
 
+def test_unknown_part_is_refused(tmp_path, checkpoint, capsys):
+    assert export_main([str(checkpoint), str(tmp_path / "hf"), "--part", "foo"]) == 2  # argparse's usage error
+    error = capsys.readouterr().err
+    assert "argument --part: invalid choice: 'foo'" in error and "policy" in error and "critic" in error
+    with pytest.raises(ExportError, match=r"--part: unknown part 'foo' \(use one of policy, critic\)"):
+        export_checkpoint(checkpoint, tmp_path / "hf", part="foo")
+    assert not (tmp_path / "hf").exists()
+
+
 def test_critic_part_gives_a_clear_error(tmp_path, checkpoint, capsys):
     assert export_main([str(checkpoint), str(tmp_path / "hf"), "--part", "critic"]) == 1
     assert NO_CRITIC in capsys.readouterr().err
@@ -196,6 +262,21 @@ def test_checkpoint_argument_may_be_an_output_dir_or_checkpoints_folder(trained,
     assert export_main([str(tmp_path), str(tmp_path / "hf")]) == 1
     assert "no published checkpoint" in capsys.readouterr().err
     assert export_main([str(checkpoint), str(tmp_path / "hf"), "--dtype", "int8"]) == 2  # argparse's usage error
+
+
+def test_progress_bar_covers_consolidation_and_writing_for_large_exports(tmp_path, checkpoint, monkeypatch, capsys):
+    """Off for a small export into a pipe (no terminal); on past LARGE_MODEL_BYTES (forced to 0 here),
+    naming each slow phase as it runs; `progress=False` (runtime.progress_bar: false) keeps it off."""
+    assert export_main([str(checkpoint), str(tmp_path / "small"), "--no-verify"]) == 0
+    assert "export-hf: consolidating" not in capsys.readouterr().err
+    monkeypatch.setattr(export, "LARGE_MODEL_BYTES", 0)
+    assert export_main([str(checkpoint), str(tmp_path / "large"), "--no-verify"]) == 0
+    error = capsys.readouterr().err
+    positions = [error.find(f"export-hf: {name}") for name in PHASES]
+    assert -1 not in positions and positions == sorted(positions), error
+    assert "4/4 phases" in error
+    export_checkpoint(checkpoint, tmp_path / "quiet", verify=False, progress=False)
+    assert "export-hf: consolidating" not in capsys.readouterr().err
 
 
 def test_crash_while_writing_leaves_no_destination_and_keeps_an_earlier_export(tmp_path, checkpoint, monkeypatch, exported):
@@ -259,10 +340,12 @@ def test_model_path_job_rebuilds_from_the_model_folder(tmp_path, checkpoint, exp
     assert AutoTokenizer.from_pretrained(destination).get_vocab() == AutoTokenizer.from_pretrained(exported).get_vocab()
 
 
-def test_export_finished_run_replaces_the_previous_export(tmp_path, trained, checkpoint):
+def test_export_finished_run_replaces_the_previous_export(tmp_path, trained, checkpoint, monkeypatch, capsys):
     from astrai.config import load_job
 
     job = load_job(checkpoint / "job.yaml", check_paths=False)
+    assert job.runtime.progress_bar is False  # TINY_RUN: so even a "large" on_finish export shows no bar
+    monkeypatch.setattr(export, "LARGE_MODEL_BYTES", 0)
     with pytest.raises(ExportError, match="needs export.hf_dir"):
         export_finished_run(job.model_copy(update={"export": job.export.model_copy(update={"hf_dir": None})}))
     destination = tmp_path / "hf"
@@ -272,3 +355,4 @@ def test_export_finished_run_replaces_the_previous_export(tmp_path, trained, che
     assert export_finished_run(job) == destination
     assert not (destination / "old.txt").exists()
     assert AutoModelForCausalLM.from_pretrained(destination, dtype="auto").dtype == torch.bfloat16
+    assert "export-hf: consolidating" not in capsys.readouterr().err
