@@ -1,4 +1,5 @@
-"""Real DeepSpeed on 2 gloo ranks: training, ZeRO-stage and accumulation invariance, exact resume.
+"""Real DeepSpeed on 2 gloo ranks: training, ZeRO-stage and accumulation invariance, exact resume,
+DPO (learning under ZeRO-3, precomputed and default/other references, the shipped configs/dpo.yaml).
 
 All runs share ONE launch of ranks (a launch costs 10-20 s of imports). Tolerances: CPU fp32;
 ZeRO stages differ only in reduction order, so losses agree to ~1e-6 relative; we allow 1e-4.
@@ -7,6 +8,7 @@ ZeRO stages differ only in reduction order, so losses agree to ~1e-6 relative; w
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -30,7 +32,8 @@ def trained(tmp_path_factory):
     for train_type in ("sft", "seq"):
         for stage in (2, 3):
             add(f"{train_type}_z{stage}", train_type, [f"deepspeed.zero_stage={stage}"])
-    add("sft_z1", "sft", ["deepspeed.zero_stage=1", "train.max_steps=3"])
+    next(r for r in runs if r["name"] == "sft_z2")["set"].append("export.on_finish=true")  # the DPO runs' other reference
+    add("sft_z1", "sft", ["deepspeed.zero_stage=1", "train.max_steps=3", "export.on_finish=true"])
     add("accumulate_2x2", "sft", ["train.micro_batch_size=2", "train.grad_accum_steps=2", "train.max_steps=3"])
     add("accumulate_4x1", "sft", ["train.micro_batch_size=4", "train.grad_accum_steps=1", "train.max_steps=3"])
     for stage in (2, 3):
@@ -55,6 +58,16 @@ def trained(tmp_path_factory):
     add("dpo_z3", "dpo", dpo)
     add("dpo_z3_precomputed", "dpo", dpo + ["dpo.precompute_reference=true"])
     add("dpo_straight", "dpo", ["checkpoint.every_steps=4", "train.max_steps=8"])
+    # The shipped configs/dpo.yaml from an SFT export of this launch (sft_z1: 3 steps), small sizes; as
+    # shipped (ZeRO-2), then with the policy and the reference both loaded partitioned (ZeRO-3), then
+    # against another reference (sft_z2's export: 12 steps).
+    shipped = [f"data.path={pairs}", f"model.path={folder / 'sft_z1' / 'hf'}", "train.max_steps=3", "train.micro_batch_size=4",
+               "data.max_seq_len=32", "runtime.progress_bar=false", "runtime.tensorboard=false"]
+    config = str(REPO / "configs/dpo.yaml")
+    runs.append({"name": "dpo_config", "config": config, "set": shipped + [f"output_dir={folder / 'dpo_config'}"]})
+    runs.append({"name": "dpo_path_z3", "config": config, "set": shipped + [f"output_dir={folder / 'dpo_path_z3'}", "deepspeed.zero_stage=3", "train.max_steps=1"]})
+    other = ["deepspeed.zero_stage=3", "train.max_steps=1", f"model.reference_path={folder / 'sft_z2' / 'hf'}"]
+    runs.append({"name": "dpo_other_reference", "config": config, "set": shipped + [f"output_dir={folder / 'dpo_other_reference'}"] + other})
     dpo_split = write_job(folder, "dpo_split", "dpo")
     runs.append({"name": "dpo_split_a", "config": dpo_split, "set": ["checkpoint.every_steps=4", "train.max_steps=4"]})
     runs.append({"name": "dpo_split_b", "config": dpo_split, "set": ["checkpoint.every_steps=4", "train.max_steps=8"]})
@@ -144,7 +157,9 @@ def test_dpo_learns_the_preference_under_zero3(trained):
     # The policy starts equal to the reference: every implicit reward is 0 and the loss is log 2.
     assert records[0]["loss"] == pytest.approx(0.6931, abs=1e-3) and records[0]["reward_margin"] == pytest.approx(0, abs=1e-5)
     late = records[-4:]
-    assert sum(r["reward_accuracy"] for r in late) / 4 > 0.6
+    late_accuracy = sum(r["reward_accuracy"] for r in late) / 4
+    # It rises: from 0 (every margin is exactly 0 and accuracy counts chosen > rejected strictly).
+    assert records[0]["reward_accuracy"] == 0 and late_accuracy > 0.6
     assert sum(r["loss"] for r in late) / 4 < 0.6
     assert sum(r["reward_margin"] for r in late) / 4 > 0
 
@@ -164,3 +179,40 @@ def test_dpo_resume_is_exact(trained):
     assert [r["step"] for r in resumed] == list(range(1, 9))
     for field in ("loss", "reward_accuracy", "reward_margin"):
         assert [r[field] for r in resumed] == pytest.approx([r[field] for r in straight], rel=1e-6, abs=1e-7), field
+    assert [r["grad_norm"] for r in resumed] == pytest.approx([r["grad_norm"] for r in straight], rel=1e-5)
+    assert [r["samples"] for r in resumed] == [r["samples"] for r in straight]
+
+
+DPO_METRICS = ("loss", "rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "logps_chosen", "logps_rejected")
+
+
+def test_shipped_dpo_config_runs_from_an_sft_export(trained):
+    folder, results = trained
+    assert results["dpo_config"]["ok"] and results["dpo_config"]["step"] == 3, results["dpo_config"]
+    records = metrics(folder, "dpo_config")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for record in records:
+        assert all(isinstance(record.get(field), float) for field in DPO_METRICS), record
+    manifest = json.loads((folder / "dpo_config" / "checkpoints" / "step_00000003" / "manifest.json").read_text())
+    assert manifest["meta"]["reference"] == str(folder / "sft_z1" / "hf")  # default reference: the policy's start
+
+
+@pytest.mark.parametrize("name", ["dpo_config", "dpo_path_z3"])
+def test_default_reference_equals_the_policy_start(trained, name):
+    """ZeRO-2, then ZeRO-3 where both load partitioned: the reference holds exactly the policy's start."""
+    folder, results = trained
+    assert results[name]["ok"], results[name]
+    first = metrics(folder, name)[0]
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-4) and first["reward_margin"] == pytest.approx(0, abs=1e-5)
+    assert first["logps_chosen"] < 0 and first["logps_rejected"] < 0
+
+
+def test_reference_path_sets_the_reference(trained):
+    folder, results = trained
+    assert results["dpo_other_reference"]["ok"], results["dpo_other_reference"]
+    first, same_start = metrics(folder, "dpo_other_reference")[0], metrics(folder, "dpo_path_z3")[0]
+    # Same policy and pairs as dpo_path_z3, so the policy's log-probs agree; the reference's do not.
+    assert first["logps_chosen"] == pytest.approx(same_start["logps_chosen"], rel=1e-5)
+    assert abs(first["reward_margin"]) > 1e-3 and first["loss"] != pytest.approx(math.log(2), abs=1e-3)
+    manifest = json.loads((folder / "dpo_other_reference" / "checkpoints" / "step_00000001" / "manifest.json").read_text())
+    assert manifest["parts"] == ["policy"] and manifest["meta"]["reference"] == str(folder / "sft_z2" / "hf")
