@@ -19,7 +19,7 @@ import numpy
 import torch
 
 from astrai.checkpoint import CheckpointError, CheckpointPublisher, find_latest, read_manifest, require_parts, verify_checkpoint
-from astrai.config import dump_job
+from astrai.config import dump_job, parse_yaml
 from astrai.engine import all_gather_objects, barrier
 from astrai.metrics import METRICS_FILE, trim_metrics
 from astrai.topology import continue_position, load_portable_part, resume_source
@@ -55,6 +55,60 @@ def restore_rng(encoded: str) -> None:
     torch.set_rng_state(snapshot["torch"])
     if "cuda" in snapshot and torch.cuda.is_available():
         torch.cuda.set_rng_state(snapshot["cuda"])
+
+
+def reseed_rng(seed: int, step: int, rank: int) -> int:
+    """Per-rank RNG where the saved per-rank states cannot carry over (another world size): Python's
+    `random`, numpy and torch (every device) all from seed x 7919 + step x 31 + rank, so a rerun of the
+    same resume draws the same numbers and no two ranks share a stream. Returns that value."""
+    value = seed * 7919 + step * 31 + rank
+    random.seed(value)
+    numpy.random.seed(value % 2**32)  # numpy takes 32-bit seeds only
+    torch.manual_seed(value)
+    return value
+
+
+def saved_micro_batch_size(path: Path) -> int | None:
+    """train.micro_batch_size of the job that wrote the checkpoint (its job.yaml), or None when unknown."""
+    try:
+        return int(parse_yaml((path / "job.yaml").read_text())["train"]["micro_batch_size"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def carry_over(state: TrainerState, *, rank: int, world_size: int, seed: int, samples_per_micro_step: int, micro_batch_size: int, saved_micro_batch: int | None) -> None:
+    """`micro_batch_size`, `saved_micro_batch`: train.micro_batch_size of this job and of the one that saved.
+
+    Restore what the checkpoint holds exactly for this topology, and apply the stated rules to what it
+    cannot: the data position and the per-rank RNG. When the world size or the micro-batch changed,
+    rank 0 logs each rule once with the values it used (docs/guides/checkpoints.md)."""
+    world_changed = state.world_size != world_size
+    changed = world_changed or (saved_micro_batch is not None and saved_micro_batch != micro_batch_size)
+    reseeded = world_changed or len(state.rng) != world_size
+    if reseeded:
+        base = reseed_rng(seed, state.step, rank) - rank
+    else:
+        restore_rng(state.rng[rank])
+    consumed = state.consumed_samples
+    state.consumed_samples = continue_position(consumed, samples_per_micro_step)
+    if rank != 0:
+        return
+    if changed:
+        logger.warning(
+            "data position: continuing from global sample count %d (rule: the global sample count carries over, rounded up to "
+            "this run's global micro-batch of %d samples = %d per rank x world size %d; world size %d -> %d, "
+            "train.micro_batch_size %s -> %d, %d samples consumed)", state.consumed_samples, samples_per_micro_step,
+            samples_per_micro_step // world_size, world_size, state.world_size, world_size,
+            "unknown" if saved_micro_batch is None else saved_micro_batch, micro_batch_size, consumed,
+        )
+    if reseeded:
+        why = f"world size changed ({state.world_size} -> {world_size})" if world_changed else f"{len(state.rng)} RNG states saved for {world_size} ranks"
+        logger.warning(
+            "RNG reseeded per rank from (seed, step, rank): %s (rule: per-rank RNG state cannot carry over; python random, "
+            "numpy and torch of rank r seeded with seed*7919 + step*31 + r = %d + r)", why, base,
+        )
+    elif changed:
+        logger.warning("RNG: each rank's saved state restored (rule: the world size is unchanged, so rank r continues its own stream)")
 
 
 def is_plain_deepspeed_dir(path: Path) -> bool:
@@ -150,13 +204,11 @@ class TrainingCheckpoints:
             step = run.engines["policy"].global_steps
             state = TrainerState(step=step, consumed_samples=step * run.samples_per_step, policy_version=step)
             logger.warning("no %s in %s: continuing from step %d, data position derived from it", STATE_FILE, path, step)
-        if state.world_size == run.dist.world_size and len(state.rng) == run.dist.world_size:
-            restore_rng(state.rng[run.dist.rank])
-        else:
-            # Per-rank RNG cannot carry over to another world size: reseed deterministically instead.
-            torch.manual_seed(run.job.train.seed * 7919 + state.step * 31 + run.dist.rank)
-            logger.warning("world size changed (%d -> %d): RNG reseeded per rank from (seed, step, rank)", state.world_size, run.dist.world_size)
-        state.consumed_samples = continue_position(state.consumed_samples, getattr(run.strategy, "order", run.order).samples_per_micro_step)
+        order = getattr(run.strategy, "order", run.order)
+        carry_over(
+            state, rank=run.dist.rank, world_size=run.dist.world_size, seed=run.job.train.seed, samples_per_micro_step=order.samples_per_micro_step,
+            micro_batch_size=run.job.train.micro_batch_size, saved_micro_batch=saved_micro_batch_size(path),
+        )
         state.epoch = run.order.epoch_of(state.consumed_samples)
         logger.info("resumed from %s at step %d (%d samples consumed)", path, state.step, state.consumed_samples)
         return state

@@ -19,8 +19,9 @@ checkpoint converts (`policy`, `critic`, ...), whatever the train type.
 
 What cannot carry over exactly (see docs/guides/checkpoints.md, "Resuming on a different topology"):
 the data position continues from the global sample count, rounded up to the new global micro-batch
-(micro_batch_size x world size) when it is not a multiple; per-rank RNG is reseeded from
-(seed, step, rank) when the world size changed (checkpointing.py).
+(micro_batch_size x world size) when it is not a multiple; per-rank RNG (Python's `random`, numpy,
+torch) is reseeded from (seed, step, rank) when the world size changed. Both rules are logged once, by
+rank 0, at every resume where the world size or train.micro_batch_size changed (checkpointing.carry_over).
 """
 
 from __future__ import annotations

@@ -78,6 +78,7 @@ def test_two_nodes_train_with_zero2_and_publish_a_verified_checkpoint(tmp_path):
     assert verify_checkpoint(published[-1][1]).step == 3  # every file re-hashed against the manifest
     manifest = json.loads((published[-1][1] / "manifest.json").read_text())
     assert manifest["world_size"] == 2
+    assert manifest["meta"]["zero_stage"] == {"policy": 2} and manifest["meta"]["world_size"] == 2  # the job's ZeRO-2, across both nodes
     for rank in (0, 1):
         facts = rank_report(tmp_path, rank)
         assert (facts["rank"], facts["node_rank"], facts["local_rank"], facts["world_size"]) == (rank, rank, 0, 2)

@@ -71,6 +71,7 @@ def runs(tmp_path_factory):
         resumed("w1_to_w2z3", "w1", ON_TWO + ["deepspeed.zero_stage=3"]),
         resumed("z3_to_z2", "w2z3", ON_TWO + ["deepspeed.zero_stage=2"]),
     ], ranks=2)
+    (folder / "launch.log").rename(folder / "launch_two_ranks.log")  # the next launch writes its own
     source = folder / "w2z2" / STEP4
     tools = {"killed": convert_tool(source, kill_mid_write=True)}
     tools["leftovers"] = sorted(os.listdir(source.parent / "portable"))
@@ -117,6 +118,8 @@ def test_converted_form_sits_next_to_the_untouched_original(runs, source, world_
     resumed = {"w1": "w1_to_w2z3", "w2z3": "z3_to_z2", "w2z2": "w2z2_to_w1"}[source]
     manifest = read_manifest(folder / resumed / "checkpoints" / "step_00000008")
     assert manifest.meta["world_size"] == world_size and manifest.meta["zero_stage"] == {"policy": stage}
+    assert manifest.meta["precision"] == {"policy": "fp32"}  # CPU ranks train in fp32
+    assert read_manifest(original).meta["precision"] == {"policy": "fp32"} and meta["source"]["precision"] == {"policy": "fp32"}
 
 
 def test_export_reads_the_portable_form(runs, tmp_path):
@@ -134,10 +137,23 @@ def test_export_reads_the_portable_form(runs, tmp_path):
 
 
 def test_conversion_is_logged_with_the_rules(runs):
+    """Each resume on another world size or micro-batch logs the data-position and RNG rules once (rank 0)."""
     folder, _, _ = runs
     log = (folder / "launch.log").read_text()  # the last launch: 2 ranks -> 1
     assert "resuming on a different topology (world size 2 -> 1; policy ZeRO-2 -> ZeRO-0)" in log
-    assert "RNG reseeded per rank" in log
+    data_rule = (
+        "data position: continuing from global sample count 32 (rule: the global sample count carries over, rounded up to "
+        "this run's global micro-batch of {global_} samples = {per_rank} per rank x world size {after}; world size {before} -> {after}, "
+        "train.micro_batch_size {saved} -> {per_rank}, 32 samples consumed)"
+    )
+    rng_rule = "RNG reseeded per rank from (seed, step, rank): world size changed ({before} -> {after}) (rule: per-rank RNG state cannot carry over; python random, numpy and torch"
+    assert log.count(data_rule.format(global_=8, per_rank=8, before=2, after=1, saved=4)) == 1
+    assert log.count(rng_rule.format(before=2, after=1)) == 1
+    # The 2-rank launch: w1 -> w2z3 changed world size and micro-batch; z3 -> z2 changed neither (no rule to state).
+    two_ranks = (folder / "launch_two_ranks.log").read_text()
+    assert two_ranks.count(data_rule.format(global_=8, per_rank=4, before=1, after=2, saved=8)) == 1
+    assert two_ranks.count(rng_rule.format(before=1, after=2)) == 1
+    assert two_ranks.count("data position: continuing") == 1 and "RNG: each rank's saved state restored" not in two_ranks
 
 
 def test_killed_conversion_then_convert_tool(runs):

@@ -240,3 +240,94 @@ def test_convert_refuses_a_checkpoint_without_manifest(tmp_path):
     (tmp_path / "step_5" / "policy").mkdir(parents=True)
     with pytest.raises(CheckpointError, match="no manifest"):
         convert(tmp_path / "step_5")
+
+
+# ---- what cannot carry over exactly: the data position and per-rank RNG, by their stated rules ----
+
+
+def draws() -> tuple[float, float, float]:
+    import random
+
+    import numpy
+
+    return random.random(), float(numpy.random.random()), float(torch.rand(()))
+
+
+def state_saved_on(world_size: int, *, step: int = 4, consumed: int = 36):
+    from astrai.checkpointing import TrainerState, capture_rng
+
+    return TrainerState(step=step, consumed_samples=consumed, world_size=world_size, rng=[capture_rng() for _ in range(world_size)])
+
+
+def test_reseed_covers_python_numpy_and_torch_deterministically_per_rank():
+    from astrai.checkpointing import reseed_rng
+
+    assert reseed_rng(7, 4, 1) == 7 * 7919 + 4 * 31 + 1
+    first = draws()
+    reseed_rng(7, 4, 1)
+    assert draws() == first  # all three generators, the same again
+    reseed_rng(7, 4, 0)
+    other_rank = draws()
+    assert all(a != b for a, b in zip(first, other_rank))
+
+
+def test_a_changed_world_size_logs_both_rules_once_and_reseeds(caplog):
+    from astrai.checkpointing import carry_over, reseed_rng
+
+    logs = []
+    for rank in (0, 1, 2):
+        state = state_saved_on(2)
+        with caplog.at_level("INFO", logger="astrai"):
+            carry_over(state, rank=rank, world_size=3, seed=7, samples_per_micro_step=12, micro_batch_size=4, saved_micro_batch=4)
+        logs.append([record.getMessage() for record in caplog.records if record.name == "astrai.checkpointing"])
+        caplog.clear()
+        drawn = draws()
+        reseed_rng(7, 4, rank)
+        assert drawn == draws(), f"rank {rank}: not the stated (seed, step, rank) reseed"
+        assert state.consumed_samples == 36  # already a multiple of 12
+    assert logs[1] == logs[2] == []  # rank 0 alone says it, once per resume
+    data, rng = logs[0]
+    assert data == (
+        "data position: continuing from global sample count 36 (rule: the global sample count carries over, rounded up to this "
+        "run's global micro-batch of 12 samples = 4 per rank x world size 3; world size 2 -> 3, train.micro_batch_size 4 -> 4, "
+        "36 samples consumed)"
+    )
+    assert rng.startswith("RNG reseeded per rank from (seed, step, rank): world size changed (2 -> 3) (rule:")
+    assert f"python random, numpy and torch of rank r seeded with seed*7919 + step*31 + r = {7 * 7919 + 4 * 31} + r" in rng
+
+
+def test_a_changed_micro_batch_on_the_same_world_size_restores_rng_and_says_so(caplog):
+    from astrai.checkpointing import carry_over, capture_rng, restore_rng
+
+    saved = capture_rng()
+    expected = draws()
+    state = state_saved_on(2, consumed=36)
+    state.rng = [capture_rng(), saved]
+    with caplog.at_level("INFO", logger="astrai"):
+        carry_over(state, rank=1, world_size=2, seed=7, samples_per_micro_step=16, micro_batch_size=8, saved_micro_batch=4)
+    assert draws() == expected  # rank 1 continues its own saved stream
+    assert state.consumed_samples == 48
+    assert caplog.messages == ["data position: 36 samples consumed is not a multiple of this run's global micro-batch of 16: continuing from sample 48 (12 samples skipped)"]
+    caplog.clear()
+    restore_rng(saved)
+    with caplog.at_level("INFO", logger="astrai"):
+        carry_over(state_saved_on(2, consumed=32), rank=0, world_size=2, seed=7, samples_per_micro_step=16, micro_batch_size=8, saved_micro_batch=4)
+    assert [message.split(" (rule")[0] for message in caplog.messages] == [
+        "data position: continuing from global sample count 32", "RNG: each rank's saved state restored",
+    ]
+
+
+def test_an_unchanged_topology_logs_no_rule(caplog):
+    from astrai.checkpointing import carry_over
+
+    with caplog.at_level("INFO", logger="astrai"):
+        carry_over(state_saved_on(2, consumed=32), rank=0, world_size=2, seed=7, samples_per_micro_step=8, micro_batch_size=4, saved_micro_batch=4)
+    assert caplog.messages == []
+
+
+def test_the_saved_micro_batch_comes_from_the_checkpoint_job(checkpoint, tmp_path):
+    from astrai.checkpointing import saved_micro_batch_size
+
+    assert saved_micro_batch_size(checkpoint) is None  # its job.yaml names no train.micro_batch_size
+    (tmp_path / "job.yaml").write_text("train: {micro_batch_size: 6, seed: 7}\n")
+    assert saved_micro_batch_size(tmp_path) == 6 and saved_micro_batch_size(tmp_path / "missing") is None
