@@ -1,11 +1,12 @@
-"""Export of checkpoints written by 2 real ranks under ZeRO-2 and ZeRO-3 (gloo on CPU).
+"""Export of checkpoints written by 2 real ranks under ZeRO-1, ZeRO-2 and ZeRO-3 (gloo on CPU).
 
-One launch of `deepspeed --num_gpus 2 tests/integration/run_plan.py` trains three tiny jobs on the same
-seed and data: ZeRO-2, ZeRO-3, and ZeRO-3 with untied embeddings. Each export must give the logits of
-the consolidated weights loaded into the model `build_policy` builds (the trained model, rebuilt
-without the export code). The ZeRO-2 and ZeRO-3 runs are the same computation sharded differently,
-so their exports must agree with each other too: that checks both consolidations, not just one
-against itself.
+One launch of `deepspeed --num_gpus 2 tests/integration/run_plan.py` trains four tiny jobs on the same
+seed and data: ZeRO-1, ZeRO-2, ZeRO-3, and ZeRO-3 with untied embeddings. Each export must give the
+logits of the consolidated weights loaded into the model `build_policy` builds (the trained model,
+rebuilt without the export code), as must the `export.on_finish` export rank 0 wrote at the end of the
+run; greedy `generate` on the exported model and tokenizer must give the trained model's tokens. The
+ZeRO-1, ZeRO-2 and ZeRO-3 runs are the same computation sharded differently, so their exports must
+agree with each other too: that checks every consolidation, not just each against itself.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from astrai.export import export_checkpoint
 from tests.conftest import launch_ranks
@@ -28,11 +29,12 @@ TINY_RUN = [
     "runtime.progress_bar=false", "runtime.tensorboard=false",
 ]
 RUNS = {
+    "zero1": ["deepspeed.zero_stage=1"],
     "zero2": ["deepspeed.zero_stage=2"],
     "zero3": ["deepspeed.zero_stage=3"],
     "zero3_untied": ["deepspeed.zero_stage=3", "model.init.tie_word_embeddings=false"],
 }
-# ZeRO-2 and ZeRO-3 reduce gradients in different orders (fp32 sums), so a few steps at lr 3e-3
+# ZeRO-1/2 and ZeRO-3 reduce gradients in different orders (fp32 sums), so a few steps at lr 3e-3
 # drift by rounding only: logits agree to ~1e-7 (measured). 1e-4 leaves room for other platforms
 # and is still 100x below how far training moves the logits (checked), so a wrong shard cannot hide.
 STAGES_AGREE_ATOL = 1e-4
@@ -54,7 +56,16 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     checkpoints = {name: root / name / "checkpoints" / "step_00000004" for name in RUNS}
     for checkpoint in checkpoints.values():
         assert json.loads((checkpoint / "manifest.json").read_text())["world_size"] == 2
+    # Each run was sharded as asked (a stage silently falling back would make the agreement trivial).
+    stages = {name: zero_stage_written(checkpoint) for name, checkpoint in checkpoints.items()}
+    assert stages == {"zero1": 1, "zero2": 2, "zero3": 3, "zero3_untied": 3}, stages
     return checkpoints
+
+
+def zero_stage_written(checkpoint: Path) -> int:
+    """The ZeRO stage DeepSpeed recorded in the policy's first optimizer shard."""
+    shard = sorted((checkpoint / "policy").rglob("*optim_states.pt"))[0]
+    return torch.load(shard, map_location="cpu", weights_only=False)["optimizer_state_dict"]["zero_stage"]
 
 
 def trained_model(checkpoint: Path):
@@ -92,6 +103,26 @@ def test_export_gives_the_trained_models_logits(name, runs, exports):
     torch.testing.assert_close(logits_of(loaded, vocab_size), logits_of(reference, vocab_size), atol=1e-5, rtol=0)
     tied = loaded.get_output_embeddings().weight.data_ptr() == loaded.get_input_embeddings().weight.data_ptr()
     assert tied == (name != "zero3_untied") == loaded.config.tie_word_embeddings
+    # export.on_finish (quickstart.yaml): rank 0's export at the end of the run, unverified, same weights.
+    on_finish = AutoModelForCausalLM.from_pretrained(runs[name].parent.parent / "hf").eval()
+    torch.testing.assert_close(logits_of(on_finish, vocab_size), logits_of(reference, vocab_size), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["zero2", "zero3"])
+def test_generate_on_the_export_gives_the_trained_models_tokens(name, runs, exports):
+    """What a user does with the folder: its tokenizer's chat template, then greedy generation."""
+    tokenizer = AutoTokenizer.from_pretrained(exports[name])
+    loaded = AutoModelForCausalLM.from_pretrained(exports[name]).eval()
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "12+7="}], add_generation_prompt=True, tokenize=False)
+    assert prompt == "<|im_start|>user\n12+7=<|im_end|>\n<|im_start|>assistant\n"
+    inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
+    prompt_len = inputs["input_ids"].shape[1]
+    output = loaded.generate(**inputs, max_new_tokens=4, do_sample=False)
+    assert output.shape[0] == 1 and prompt_len < output.shape[1] <= prompt_len + 4, output.shape
+    assert torch.equal(output[0, :prompt_len], inputs["input_ids"][0])
+    ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    expected = trained_model(runs[name]).generate(**inputs, max_new_tokens=4, do_sample=False, **ids)
+    assert torch.equal(output, expected), (tokenizer.decode(output[0]), tokenizer.decode(expected[0]))
 
 
 def initial_model(checkpoint: Path):
@@ -104,11 +135,12 @@ def initial_model(checkpoint: Path):
     return build_policy(job.model, load_tokenizer(str(checkpoint.parent.parent / "tokenizer")), job.train.seed).eval()
 
 
-def test_zero2_and_zero3_exports_agree(runs, exports):
-    zero2 = AutoModelForCausalLM.from_pretrained(exports["zero2"]).eval()
-    zero3 = AutoModelForCausalLM.from_pretrained(exports["zero3"]).eval()
-    vocab_size = zero2.config.vocab_size
-    torch.testing.assert_close(logits_of(zero2, vocab_size), logits_of(zero3, vocab_size), atol=STAGES_AGREE_ATOL, rtol=0)
+def test_zero1_zero2_and_zero3_exports_agree(runs, exports):
+    models = {name: AutoModelForCausalLM.from_pretrained(exports[name]).eval() for name in ("zero1", "zero2", "zero3")}
+    vocab_size = models["zero2"].config.vocab_size
+    logits = {name: logits_of(model, vocab_size) for name, model in models.items()}
+    for name in ("zero1", "zero3"):
+        torch.testing.assert_close(logits[name], logits["zero2"], atol=STAGES_AGREE_ATOL, rtol=0, msg=lambda text, name=name: f"{name} vs zero2: {text}")
     # The agreement means something only if training moved the weights far beyond the tolerance.
-    moved = (logits_of(zero2, vocab_size) - logits_of(initial_model(runs["zero2"]), vocab_size)).abs().max().item()
+    moved = (logits["zero2"] - logits_of(initial_model(runs["zero2"]), vocab_size)).abs().max().item()
     assert moved > 100 * STAGES_AGREE_ATOL, moved
