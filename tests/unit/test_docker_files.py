@@ -50,6 +50,15 @@ def test_services_pin_images_and_never_build():
     assert SERVICES["server"]["image"] == "${SERVE_IMAGE:-vllm/vllm-openai:latest}"
 
 
+def test_services_take_exactly_the_intended_environment():
+    """Nothing of the host shell reaches a container unless named here (NCCL_* included: a job lists its
+    workarounds in runtime.environment, which the entrypoint exports); no env_file hands a file over whole."""
+    assert SERVICES["trainer"]["environment"] == ["TRAIN_CONFIG=/job/job.yaml", "TRAIN_JOB_NAME", "TRAIN_GPU_COUNT", "CUDA_VISIBLE_DEVICES"]
+    assert SERVICES["server"]["environment"] == ["SERVE_MODEL_NAME", "SERVE_EXTRA_ARGS", "CUDA_VISIBLE_DEVICES"]
+    for name, service in SERVICES.items():
+        assert "env_file" not in service, name
+
+
 def test_trainer_mounts_match_the_runtime():
     table = mounts("trainer")
     assert table["/job/job.yaml"][1] == "ro" and "TRAIN_CONFIG=/job/job.yaml" in SERVICES["trainer"]["environment"]

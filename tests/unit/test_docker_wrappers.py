@@ -209,6 +209,53 @@ def test_serve_up_uses_the_serve_section_and_infra_gpus(host):
     assert failed.returncode == 2 and "not a Hugging Face model folder" in failed.stderr
 
 
+def test_serve_run_stays_in_the_foreground_and_never_builds(host):
+    model = host.root / "hf"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    job = write_job(host, "  gpu: {devices: all}\n", extra="serve: {model_dir: hf}\n")
+    result = host.run(["bash", str(REPO / "scripts" / "serve.sh"), "run", str(job)], CUDA_VISIBLE_DEVICES="0")
+    assert result.returncode == 0, result.stderr
+    argv, env = only_compose(host)
+    assert argv[-4:] == ["run", "--rm", "--service-ports", "server"] and "--build" not in argv and "build" not in argv
+    assert "CUDA_VISIBLE_DEVICES" not in env  # devices: all
+
+
+def server_entrypoint() -> list[str]:
+    """The server service's entrypoint as the container runs it: compose turns `$$` into `$`."""
+    import yaml
+
+    entry = yaml.safe_load((REPO / "docker" / "docker-compose.yml").read_text())["services"]["server"]["entrypoint"]
+    assert entry[:2] == ["/bin/sh", "-c"] and "${" not in entry[2].replace("$${", "")  # nothing left for compose to interpolate
+    return ["sh", "-c", entry[2].replace("$$", "$"), *entry[3:]]
+
+
+def test_server_entrypoint_unsets_an_empty_gpu_list_and_passes_extra_args_intact(host, tmp_path):
+    """Run by a real sh with a fake python3 (standing in for vLLM's) first on PATH."""
+    sys.path.insert(0, str(REPO / "scripts" / "docker"))
+    import serve_runtime
+
+    fake = tmp_path / "fake-vllm"
+    fake.mkdir()
+    (fake / "python3").write_text(RECORDER.format(name="python3"))
+    (fake / "python3").chmod(0o755)
+    extra_args = ["--max-model-len", 4096, "--chat-template", "{{ messages | join(' ') }}", "it's; $HOME `id` \\n", ""]
+    document = {"infra": {"job_name": "demo"}, "serve": {"model_dir": "hf", "extra_args": extra_args, "served_model_name": "my model"}}
+    variables = serve_runtime.serve_variables(document, tmp_path / "job.yaml")
+    served = {"SERVE_EXTRA_ARGS": variables["SERVE_EXTRA_ARGS"], "SERVE_MODEL_NAME": variables["SERVE_MODEL_NAME"], "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"}
+    expected = ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model", "/model", "--served-model-name", "my model", "--host", "0.0.0.0", "--port", "8000"]
+
+    for gpus, seen in (("", None), ("2,3", "2,3"), (None, None)):
+        result = host.run(server_entrypoint(), **served, CUDA_VISIBLE_DEVICES=gpus)
+        assert result.returncode == 0, result.stderr
+        ((argv, env),) = host.calls()
+        assert argv == expected + [str(argument) for argument in extra_args]
+        assert env.get("CUDA_VISIBLE_DEVICES") == seen, f"host CUDA_VISIBLE_DEVICES={gpus!r}"
+    result = host.run(server_entrypoint(), PATH=served["PATH"])  # no extra args, no name: the defaults
+    ((argv, _),) = host.calls()
+    assert argv == expected[:6] + ["astrai"] + expected[7:]
+
+
 def entrypoint(host: Host, job: Path, **extra: str) -> tuple[list[str], dict[str, str]]:
     result = host.run(["bash", str(REPO / "scripts" / "docker" / "train-entrypoint.sh"), "--set", "train.max_steps=2"], TRAIN_CONFIG=str(job), **extra)
     assert result.returncode == 0, result.stderr
