@@ -90,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     prepare_rank_environment()  # ranks started by mpirun/srun get torch's RANK, WORLD_SIZE, LOCAL_RANK
     write_rank_report(job)  # written before the rendezvous, so it exists even if that hangs
+    # Before the rendezvous (the launcher's RANK names the rank), so what setup logs (the threads per rank) is shown.
+    set_log_format(int(os.environ.get("RANK", "0")), os.environ.get("ASTR_LOG_LEVEL") or job.runtime.log_level)
     dist = setup_distributed(job.runtime.dist_timeout_s)
-    set_log_format(dist.rank, os.environ.get("ASTR_LOG_LEVEL") or job.runtime.log_level)
     try:
         output_dir = Path(job.output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
