@@ -193,10 +193,16 @@ def test_clear_errors_before_any_container(host, tmp_path):
     assert train(host, "bogus").returncode == 2 and train(host, "--help").returncode == 0
 
 
-def test_serve_up_uses_the_serve_section_and_infra_gpus(host):
+def model_folder(host) -> Path:
+    """A folder the serve wrapper takes for a Hugging Face model (it has a config.json)."""
     model = host.root / "hf"
     model.mkdir()
     (model / "config.json").write_text("{}")
+    return model
+
+
+def test_serve_up_uses_the_serve_section_and_infra_gpus(host):
+    model = model_folder(host)
     job = write_job(host, "  gpu: {devices: [3]}\n", extra="serve: {model_dir: hf, extra_args: [--dtype, bfloat16]}\n")
     result = host.run(["bash", str(REPO / "scripts" / "serve.sh"), "up", str(job)], CUDA_VISIBLE_DEVICES="")
     assert result.returncode == 0, result.stderr
@@ -210,9 +216,7 @@ def test_serve_up_uses_the_serve_section_and_infra_gpus(host):
 
 
 def test_serve_run_stays_in_the_foreground_and_never_builds(host):
-    model = host.root / "hf"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
+    model = model_folder(host)
     job = write_job(host, "  gpu: {devices: all}\n", extra="serve: {model_dir: hf}\n")
     result = host.run(["bash", str(REPO / "scripts" / "serve.sh"), "run", str(job)], CUDA_VISIBLE_DEVICES="0")
     assert result.returncode == 0, result.stderr
