@@ -37,9 +37,13 @@ def one_rank():
     os.environ.update(saved)
 
 
+RENDEZVOUS_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """Environment for launched ranks: the repo importable, no hub, quiet progress output."""
-    env = dict(os.environ)
+    # Never this process's rendezvous: an in-process test that set RANK/MASTER_PORT would send the child there.
+    env = {key: value for key, value in os.environ.items() if key not in RENDEZVOUS_VARIABLES}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_DISABLE_PROGRESS_BARS="1", PYTHONUNBUFFERED="1")
     env.update(extra)

@@ -8,6 +8,7 @@ trainer reads them in astrai/models/policy.py and astrai/train.py after exportin
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -31,10 +32,15 @@ SET_BY_MAIN = ("ASTR_LOG_LEVEL", "ASTR_BACKEND", "RANK", "WORLD_SIZE", "LOCAL_RA
 
 @pytest.fixture
 def clean_environment(monkeypatch):
-    """Each variable main or the test sets is put back as it was (absent) at the end."""
+    """The test starts without the variables main sets and ends with os.environ exactly as it was:
+    main sets RANK, MASTER_PORT, ... itself, and left behind they would send every later subprocess
+    launch of the suite to this process's (destroyed) rendezvous port."""
+    saved = dict(os.environ)
     for name in SET_BY_MAIN:
         monkeypatch.delenv(name, raising=False)
-    return monkeypatch
+    yield monkeypatch
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def write_job(folder, extra: str = "") -> str:
