@@ -51,9 +51,27 @@ def new_hasher(algorithm: str):
 
 
 def hash_file(path: Path, algorithm: str, *, fsync: bool = False) -> FileDigest:
-    """Size and digest of one file; with `fsync`, flush it to stable storage first."""
-    if fsync:
-        fs.fsync_file(path)
+    """Size and digest of one file; with `fsync`, also flushed to stable storage before this returns.
+
+    The fsync runs in a thread of its own while this one reads the file back from the page cache and
+    hashes it: the one waits on the disk, the other on a core, so a save pays max(fsync, hash) rather
+    than their sum. Either failure is raised, and only once both have finished, so nothing that
+    follows (the manifest, the publishing rename) can start before the file is durable.
+    """
+    if not fsync:
+        return _digest(path, algorithm)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-fsync") as flusher:
+        flushed = flusher.submit(fs.fsync_file, path)
+        try:
+            digest = _digest(path, algorithm)
+        finally:
+            error = flushed.exception()  # waits for the fsync, success or not
+        if error is not None:
+            raise error
+    return digest
+
+
+def _digest(path: Path, algorithm: str) -> FileDigest:
     hasher = new_hasher(algorithm)
     buffer = bytearray(CHUNK_BYTES)
     view = memoryview(buffer)
