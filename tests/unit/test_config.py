@@ -64,14 +64,16 @@ def test_wrong_type_names_the_key_and_line(tmp_path):
 
 def test_missing_required_key(tmp_path):
     path = write_job(tmp_path, VALID.replace("  train_type: sft\n", ""))
-    with pytest.raises(ConfigError, match=r"train\.train_type: required key is missing"):
+    with pytest.raises(ConfigError) as error:
         load_job(path)
+    assert f"{path}:8: train.train_type: required key is missing" in str(error.value)  # file, the train: line, key
 
 
 def test_missing_data_file_is_named(tmp_path):
     path = write_job(tmp_path, data=str(tmp_path / "nowhere.jsonl"))
-    with pytest.raises(ConfigError, match=r"data\.path: no file matches .*nowhere\.jsonl"):
+    with pytest.raises(ConfigError) as error:
         load_job(path)
+    assert str(error.value) == f"{path}: data.path: no file matches {str(tmp_path / 'nowhere.jsonl')!r}"
 
 
 def test_missing_job_file():
