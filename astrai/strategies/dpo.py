@@ -20,9 +20,9 @@ from astrai.algos.logprobs import sequence_logprobs, shift_for_next_token, token
 from astrai.data import render_rows
 from astrai.data.collate import pad_right
 from astrai.data.render import preference_batch
-from astrai.engine import FrozenEngine, all_gather_objects, make_frozen_engine, zero3_loading
-from astrai.models.policy import build_policy
+from astrai.engine import all_gather_objects
 from astrai.strategies.base import StepOutput, Strategy, register
+from astrai.strategies.reference import build_reference
 
 logger = logging.getLogger("astrai.dpo")
 REFERENCE_COLUMNS = ("reference_chosen_logps", "reference_rejected_logps")
@@ -35,25 +35,6 @@ def completion_logprobs(model, batch: dict, average: bool = False) -> torch.Tens
     shifted_logits, labels, mask = shift_for_next_token(logits, batch["input_ids"], batch["loss_mask"])
     logps = sequence_logprobs(token_logprobs(shifted_logits, labels), mask)
     return logps / mask.sum(dim=-1).clamp(min=1) if average else logps
-
-
-def reference_model(job, tokenizer, ds_config: dict) -> tuple[torch.nn.Module, str]:
-    """The frozen reference's module (`model.reference_path`, else the policy's starting weights) and
-    a line naming its source. Under ZeRO-3 with `model.zero3_init` a `path` loads partitioned, as the
-    policy does (astrai/build.py): a plain load first holds a full fp32 copy on every rank."""
-    model_config = job.model
-    if model_config.reference_path is not None:
-        model_config = model_config.model_copy(update={"path": model_config.reference_path, "init": None})
-    source = model_config.path or f"model.init (seed {job.train.seed}): the policy's starting weights"
-    with zero3_loading(ds_config, model_config.zero3_init and model_config.path is not None):
-        model = build_policy(model_config, tokenizer, job.train.seed)
-    return model, source
-
-
-def build_reference(job, tokenizer, ds_config: dict) -> tuple[FrozenEngine, str]:
-    """The reference as a frozen engine sharded like the trainable `ds_config` (the policy's), and its source."""
-    model, source = reference_model(job, tokenizer, ds_config)
-    return make_frozen_engine(model, ds_config), source
 
 
 @register

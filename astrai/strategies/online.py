@@ -24,7 +24,7 @@ from astrai.rollout import RolloutResult, build_reward, generate_rollout, reward
 from astrai.algos.masked import masked_aggregate
 from astrai.rollout.prompts import decode_prompt_row, prompt_batch
 from astrai.strategies.base import StepOutput, Strategy
-from astrai.strategies.dpo import build_reference
+from astrai.strategies.reference import build_reference
 
 logger = logging.getLogger("astrai.online")
 

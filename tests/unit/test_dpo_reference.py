@@ -17,7 +17,7 @@ from astrai.config import load_job
 from astrai.engine import FrozenEngine
 from astrai.models.policy import load_causal_lm
 from astrai.models.tokenizer import build_tokenizer
-from astrai.strategies.dpo import reference_model
+from astrai.strategies.reference import reference_model
 from tests.conftest import REPO
 
 JOB = """\
