@@ -18,6 +18,8 @@ response logits of a forward over the whole sequence are logits[:, P - 1 : P + R
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -95,10 +97,13 @@ def response_logits(model, sequences: dict[str, torch.Tensor], temperature: floa
 def _keeps_logits(model) -> bool:
     """Whether the causal LM under `model` (an engine wraps it as `.module`) takes transformers'
     `logits_to_keep`: most do; for one that does not, the full logits are sliced instead."""
-    import inspect
+    return _forward_takes_logits_to_keep(type(getattr(model, "module", model)))
 
-    module = getattr(model, "module", model)
-    return "logits_to_keep" in inspect.signature(module.forward).parameters
+
+@functools.cache
+def _forward_takes_logits_to_keep(model_class: type) -> bool:
+    """Asked once per model class, not at every forward of the hot loop."""
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
 def response_values(critic, sequences: dict[str, torch.Tensor]) -> torch.Tensor:
