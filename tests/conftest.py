@@ -77,13 +77,13 @@ def run_bounded(command: list[str], timeout: float, **options) -> subprocess.Com
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
-def launch_ranks(arguments: list[str], ranks: int, timeout: float, port: int | None = None) -> subprocess.CompletedProcess:
+def launch_ranks(arguments: list[str], ranks: int, timeout: float) -> subprocess.CompletedProcess:
     """The real `deepspeed --num_gpus ranks --master_port <free> ARGUMENTS` from the repo root, bounded.
 
     Every launch gets a free port of its own (DeepSpeed's default 29500 is shared by every launch that
     forgets one, so one leftover rank blocks them all), and must leave no shared-memory segment behind
     for it in /dev/shm (see astrai.engine.distributed.skip_shared_memory_allreduce)."""
-    port = port or free_port()
+    port = free_port()
     command = deepspeed_launcher() + [f"--num_gpus={ranks}", "--master_port", str(port), *map(str, arguments)]
     finished = run_bounded(command, timeout, cwd=REPO, env=child_env())
     leaked = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
