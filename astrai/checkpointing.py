@@ -18,7 +18,9 @@ from pathlib import Path
 import numpy
 import torch
 
-from astrai.checkpoint import CheckpointError, CheckpointPublisher, find_latest, read_manifest, require_parts, verify_checkpoint
+from astrai.checkpoint import (
+    CheckpointError, CheckpointPublisher, find_latest, read_manifest, require_parts, step_dir_name, verify_checkpoint,
+)
 from astrai.config import dump_job, parse_yaml
 from astrai.engine import all_gather_objects, barrier
 from astrai.metrics import METRICS_FILE, trim_metrics
@@ -129,7 +131,9 @@ class TrainingCheckpoints:
         every = self.run.job.checkpoint.every_steps
         return step == total_steps or (every is not None and step % every == 0)
 
-    def save(self, state: TrainerState, metrics) -> Path:
+    def save(self, state: TrainerState, metrics, *, final: bool) -> Path:
+        """Publish checkpoint `state.step`; with checkpoint.async_save (not for the final one) return once the
+        shards are written, leaving hashing, fsync and the publishing rename to a background thread."""
         run = self.run
         state.world_size = run.dist.world_size
         state.rng = all_gather_objects(capture_rng())
@@ -148,9 +152,22 @@ class TrainingCheckpoints:
             "world_size": run.dist.world_size,
             **run.strategy.checkpoint_meta(),
         }
+        if run.job.checkpoint.async_save and not final:
+            metrics.flush()  # durable before the checkpoint it describes can appear (the rename comes later)
+            self.publisher.publish_async(state.step, write, meta=meta)
+            return self.directory / step_dir_name(state.step)
         # The metric log is made durable just before the rename that publishes the checkpoint it describes.
         report = self.publisher.publish(state.step, write, meta=meta, pre_publish=metrics.flush)
         return report.path
+
+    def close(self) -> None:
+        """End of a loop, which may be failing: let a background save finish (every rank's thread goes on
+        whatever the training collectives do) and log its error rather than hide the loop's own."""
+        step = self.publisher.pending_step
+        try:
+            self.publisher.wait()
+        except CheckpointError as error:
+            logger.error("the background save of step %s did not publish: %s", step, error)
 
     def locate(self) -> Path | None:
         """The checkpoint this run resumes from, or None for a fresh start."""

@@ -49,7 +49,7 @@ def _close_step(run: Run, state: TrainerState, record: dict, metrics: MetricsLog
         metrics.log(state.step, record)
     metrics.advance()
     if checkpoints.due(state.step, run.total_steps):
-        checkpoints.save(state, metrics)
+        checkpoints.save(state, metrics, final=state.step == run.total_steps)
 
 
 def train_offline(run: Run) -> TrainerState:
@@ -93,6 +93,7 @@ def train_offline(run: Run) -> TrainerState:
                           elapsed_s=state.elapsed_s, epoch=state.epoch, samples=state.consumed_samples)
             _close_step(run, state, record, metrics, checkpoints)
     finally:
+        checkpoints.close()  # a background save in flight finishes (or says why not)
         metrics.close()
     return state
 
@@ -174,6 +175,7 @@ def train_online(run: Run) -> TrainerState:
                 record.update(policy_grad_norm=policy.grad_norm, critic_grad_norm=critic.grad_norm, critic_lr=critic_lr)
             _close_step(run, state, record, metrics, checkpoints)
     finally:
+        checkpoints.close()  # a background save in flight finishes (or says why not)
         metrics.close()
     return state
 

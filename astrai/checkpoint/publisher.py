@@ -12,6 +12,13 @@ so every rank learns every other rank's failure and all raise the same Checkpoin
                     renames staging -> step_<N> (one atomic rename) and fsyncs the parent
 Then rank 0 applies retention (`keep_last`).
 
+`publish_async` runs phases 1-4 (everything that touches the caller's state: the shards are written
+by then) and returns; phases 5-6 and retention run in a background thread on every rank, over the
+publisher's own gloo group, while the caller goes on training. The next `publish`, `publish_async`,
+`cleanup_stale` or `wait` first waits for it and raises its error, so at most one save is in flight
+and a failure is never silent. Until it is published, the save is a staging directory like any
+other: a crash leaves the previous checkpoint as the newest.
+
 Failure anywhere: every rank raises CheckpointError naming the failing rank(s) and their error
 (the failing rank chains its original exception), rank 0 removes the staging directory,
 earlier checkpoints are untouched, nothing is retried. This module knows nothing of train
@@ -24,6 +31,7 @@ import errno
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -65,6 +73,7 @@ class PublishReport:
     bytes: int
     seconds: float
     removed: tuple[Path, ...] = ()
+    blocked_s: float | None = None  # how long the caller waited (publish_async: phases 1-4 only; publish: all of `seconds`)
 
 
 @dataclass
@@ -75,6 +84,26 @@ class _Save:
     step: int
     context: str
     staging: Path | None = None
+
+
+class _Background:
+    """The one save whose phases 5-6 run in a thread: its outcome, kept until `wait` collects it."""
+
+    def __init__(self, step: int, finish: Callable[[], PublishReport]):
+        self.step = step
+        self.report: PublishReport | None = None
+        self.error: BaseException | None = None
+        self._finish = finish
+        # A daemon: a run that dies with a save in flight must not hang at exit; the save then never
+        # publishes, which is what a crash means anyway (its staging directory is removed at next start).
+        self.thread = threading.Thread(target=self._run, name=f"checkpoint-publish-{step}", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.report = self._finish()
+        except BaseException as error:  # kept for wait(), which raises it in the caller's thread
+            self.error = error
 
 
 def describe_error(error: BaseException) -> str:
@@ -143,6 +172,7 @@ class CheckpointPublisher:
         self._given_group = group
         self._group = None
         self._unusable: str | None = None
+        self._background: _Background | None = None
 
     def _exchange_group(self):
         if self._unusable is not None:
@@ -182,12 +212,36 @@ class CheckpointPublisher:
 
         Call on every rank at start, before resuming and before any publish; returns rank 0's report.
         """
+        self.wait()
         group = self._exchange_group()
         save = _Save(group=group, step=-1, context=f"checkpoint cleanup of {self.checkpoints_dir}")
         reports = self._phase(
             save, "cleanup-stale", lambda: cleanup_stale(self.checkpoints_dir) if group.rank == 0 else None
         )
         return reports[0]
+
+    @property
+    def pending_step(self) -> int | None:
+        """The step of the save still finishing in the background, or None."""
+        return None if self._background is None else self._background.step
+
+    def wait(self) -> PublishReport | None:
+        """Wait for the background save (if any) and return its report; raise its CheckpointError.
+
+        Every rank calls it (it is called first by every other method): the background phases
+        exchange over the checkpoint group, so a rank that stopped waiting would stall the others.
+        """
+        background, self._background = self._background, None
+        if background is None:
+            return None
+        background.thread.join()
+        if background.error is not None:
+            if isinstance(background.error, CheckpointError):
+                raise CheckpointError(f"background {background.error}") from background.error
+            raise CheckpointError(
+                f"background checkpoint save step {background.step} failed: {describe_error(background.error)}"
+            ) from background.error
+        return background.report
 
     def publish(
         self,
@@ -208,11 +262,46 @@ class CheckpointPublisher:
         rename (the trainer flushes and fsyncs metrics.jsonl there); its failure fails the save.
         Republishing an existing step replaces it atomically (see `_install`).
         """
+        self.wait()
         started = time.monotonic()
+        save, listing = self._write_staging(step, write)
+        return self._finish(save, listing, meta or {}, pre_publish, started, blocked=True)
+
+    def publish_async(self, step: int, write: Callable[[Path], None], *, meta: dict[str, Any] | None = None) -> float:
+        """As `publish`, but return once `write` has run on every rank and the staging listing agrees;
+        hashing, fsync, the manifest, the rename and retention go on in a background thread.
+
+        Returns the seconds the caller was blocked. The report (or the error) comes from the next
+        `wait()`, which every later call of this publisher makes first. There is no `pre_publish`:
+        whatever must be durable before the checkpoint appears, make durable before calling this.
+        """
+        self.wait()
+        started = time.monotonic()
+        save, listing = self._write_staging(step, write)
+        blocked = time.monotonic() - started
+        self._background = _Background(
+            step, lambda: self._finish(save, listing, meta or {}, None, started, blocked=False, blocked_s=blocked)
+        )
+        return blocked
+
+    def _write_staging(self, step: int, write: Callable[[Path], None]) -> tuple[_Save, list[str]]:
+        """Phases 1-4 (staging, shared storage, write, agreed listing); on failure the staging is removed."""
         group = self._exchange_group()
         save = _Save(group=group, step=step, context=f"checkpoint save step {step}")
         try:
-            manifest = self._stage(save, write, meta or {})
+            return save, self._stage(save, write)
+        except CheckpointError:
+            self._remove_staging(save)
+            raise
+
+    def _finish(
+        self, save: _Save, listing: list[str], meta: dict[str, Any], pre_publish: Callable[[], None] | None,
+        started: float, *, blocked: bool, blocked_s: float | None = None,
+    ) -> PublishReport:
+        """Phases 5-6 (hash + fsync, manifest, rename) and retention: the report, or every rank raises."""
+        group = save.group
+        try:
+            manifest = self._hash(save, listing, meta)
             paths = self._phase(
                 save, "publish", lambda: self._install(save, manifest, pre_publish) if group.rank == 0 else None
             )
@@ -221,18 +310,20 @@ class CheckpointPublisher:
             raise
         published = Path(paths[0])
         removed = self._apply_retention(published) if group.rank == 0 else ()
+        seconds = time.monotonic() - started
         report = PublishReport(
-            path=published, step=step, files=len(manifest.files), bytes=manifest.total_bytes,
-            seconds=time.monotonic() - started, removed=removed,
+            path=published, step=save.step, files=len(manifest.files), bytes=manifest.total_bytes,
+            seconds=seconds, removed=removed, blocked_s=seconds if blocked else blocked_s,
         )
         if group.rank == 0:
             logger.info(
-                "published %s: %d files, %.1f MiB in %.2f s", published, report.files, report.bytes / 2**20, report.seconds
+                "published %s: %d files, %.1f MiB in %.2f s%s", published, report.files, report.bytes / 2**20,
+                report.seconds, "" if blocked else f" (training waited {report.blocked_s:.2f} s of it)",
             )
         return report
 
-    def _stage(self, save: _Save, write: Callable[[Path], None], meta: dict[str, Any]) -> Manifest:
-        """Phases 1-5: a complete, fsynced staging directory and the manifest describing it."""
+    def _stage(self, save: _Save, write: Callable[[Path], None]) -> list[str]:
+        """Phases 1-4: a complete staging directory and its file listing, the same on every rank."""
         group, rank = save.group, save.group.rank
         values = self._phase(save, "create-staging", lambda: self._create_staging(save))
         for other_rank, (other_step, *_ignored) in enumerate(values):
@@ -266,14 +357,19 @@ class CheckpointPublisher:
                 f"{save.context}: the write callback produced no files for the part(s) {', '.join(missing)} "
                 "this checkpoint must contain; nothing was published"
             )
-        share = listing[rank :: group.world_size]
+        return listing
+
+    def _hash(self, save: _Save, listing: list[str], meta: dict[str, Any]) -> Manifest:
+        """Phase 5: file i of the listing is fsynced and hashed by rank i % world size; the manifest of them all."""
+        share = listing[save.group.rank :: save.group.world_size]
         digest_maps = self._phase(
-            save, "hash", lambda: hash_files(staging, share, self.hash_algorithm, threads=self.hash_threads, fsync=True)
+            save, "hash",
+            lambda: hash_files(save.staging, share, self.hash_algorithm, threads=self.hash_threads, fsync=True),
         )
         files = {path: digest for digests in digest_maps for path, digest in digests.items()}
         return Manifest(
             step=save.step, parts=self.parts, hash_algorithm=self.hash_algorithm, files=files,
-            world_size=group.world_size, meta=meta,
+            world_size=save.group.world_size, meta=meta,
         )
 
     def _create_staging(self, save: _Save) -> tuple[int, str, str | None, str | None]:

@@ -123,6 +123,9 @@ class CheckpointConfig(Section):
         "sha256", description="File digest recorded in the manifest: sha256 (~1.1 GB/s a core, cryptographic; files hash in parallel threads and across ranks), or xxh3_128 (~10 GB/s a core) where hashing would show in save time."
     )
     save_timeout_s: float = Field(600.0, gt=0, description="A save that cannot finish on every rank within this fails with the stalled phase named.")
+    async_save: bool = Field(
+        False, description="Training goes on while a save is hashed, fsynced and published in a background thread (it blocks only while the shards are written); the next save, and the run's end, wait for it and fail on its error. The final save is always synchronous."
+    )
 
 
 class RuntimeConfig(Section):

@@ -4,7 +4,8 @@ One module fixture runs, in order, on one output_dir (every run a fresh process,
 1. Five runs (KILLS) with `checkpoint.every_steps: 1`, each SIGKILLed at a seeded random moment: some just
    after a staging directory `.step_*.staging-*` appears (inside a save), some a few steps in. After
    each kill the newest published checkpoint verifies and nothing hidden is taken for a checkpoint.
-2. A run with `resume: auto` that completes to `max_steps`, each step logged once. The metric log
+   Runs 2 and 4 save in the background (`checkpoint.async_save: true`).
+2. A run with `resume: auto` and `async_save: true` that completes to `max_steps`, each step logged once. The metric log
    reaches the disk only at the flush just before each publishing rename, so a kill leaves it ahead
    of the newest checkpoint only inside that microsecond window; the test appends what such a kill
    leaves (a record past the checkpoint, then a torn line) so that the resume's trim is exercised.
@@ -99,11 +100,11 @@ def kill(process: subprocess.Popen) -> None:
         process.wait(timeout=30)
 
 
-def kill_at_random_moment(job: Job, where: str, rng: random.Random) -> dict:
+def kill_at_random_moment(job: Job, where: str, rng: random.Random, *extra: str) -> dict:
     """Start a run (resume: auto) and SIGKILL it: after the k-th save it starts ('save'; k in 1..3,
     then 0-15 ms more) or once k more steps are logged ('steps'; k in 1..3, then 0-40 ms more)."""
     count, delay = rng.randint(1, 3), rng.uniform(0, 0.015 if where == "save" else 0.04)
-    process, log = job.start()
+    process, log = job.start(*extra)
     logged_before, seen = job.logged_steps(), set()
     deadline = time.monotonic() + RUN_TIMEOUT_S
     try:
@@ -151,9 +152,12 @@ def history(tmp_path_factory):
     job = Job(tmp_path_factory.mktemp("resume_faults"))
     rng = random.Random(SEED)
     kills = []
-    for where in KILLS:
-        moment = kill_at_random_moment(job, where, rng)
-        kills.append({**moment, **check_after_kill(job)})
+    for index, where in enumerate(KILLS):
+        # Every other run saves in the background (checkpoint.async_save): a kill then lands while
+        # training goes on beside a save being hashed, fsynced and renamed.
+        extra = ("checkpoint.async_save=true",) if index % 2 else ()
+        moment = kill_at_random_moment(job, where, rng, *extra)
+        kills.append({**moment, **check_after_kill(job), "async_save": bool(extra)})
     # A save of this tiny model lasts 20-50 ms here; on a faster disk a kill may miss it. Kill inside
     # saves again (at most EXTRA_SAVE_KILLS times) until two have landed, so the test always covers them.
     for _ in range(EXTRA_SAVE_KILLS):
@@ -165,7 +169,7 @@ def history(tmp_path_factory):
     with open(job.metrics, "a") as log:
         log.write(("" if job.metrics.read_text().endswith("\n") else "\n") + json.dumps({"step": ahead_of + 1, "loss": -1.0}) + "\n")
         log.write('{"step": %d, "lo' % (ahead_of + 2))
-    resumed_code, resumed_log = job.run()
+    resumed_code, resumed_log = job.run("checkpoint.async_save=true")  # the reference below saves synchronously
     resumed_hidden = list_hidden(job.checkpoints)
     shutil.move(job.metrics, job.folder / "resumed_metrics.jsonl")
     first_manifest = (job.checkpoints / "step_00000001" / "manifest.json").read_bytes()

@@ -42,6 +42,11 @@ def trained(tmp_path_factory):
         first = write_job(folder, f"split_z{stage}", "sft")
         runs.append({"name": f"split_z{stage}_a", "config": first, "set": every[:2] + ["train.max_steps=4"]})
         runs.append({"name": f"split_z{stage}_b", "config": first, "set": every + ["checkpoint.verify_on_load=true"]})
+    # checkpoint.async_save: straight_z3's training, its saves at 2, 4 and 6 hashed, fsynced and published
+    # from a background thread while both ranks train on (8, the final one, synchronously); then a run
+    # resuming from step 6, a checkpoint published that way.
+    add("async_z3", "sft", ["deepspeed.zero_stage=3", "checkpoint.every_steps=2", "train.max_steps=8", "checkpoint.async_save=true"])
+    add("async_resume", "sft", ["deepspeed.zero_stage=3", "train.max_steps=8", f"checkpoint.resume={folder / 'async_z3' / 'checkpoints' / 'step_00000006'}"])
     # Resume from a plain DeepSpeed folder (no manifest): the policy/ folder of split_z2's step 4,
     # copied by the test before the launch would be too early, so point straight at it.
     legacy_source = folder / "split_z2" / "checkpoints" / "step_00000004" / "policy"
@@ -128,6 +133,28 @@ def test_resume_is_exact(trained, stage):
     assert sum("optim_states" in name for name in shard_files) == 2  # both ranks' ZeRO shards
     state = json.loads((final / "trainer_state.json").read_text())
     assert state["step"] == 8 and state["consumed_samples"] == 8 * 8 and len(state["rng"]) == 2
+
+
+def test_async_save_trains_the_same_and_its_checkpoints_resume(trained):
+    folder, results = trained
+    assert results["async_z3"]["ok"] and results["async_z3"]["step"] == 8, results["async_z3"]
+    straight, background = metrics(folder, "straight_z3"), metrics(folder, "async_z3")
+    assert [r["step"] for r in background] == list(range(1, 9))
+    # Training beside a background save is the same training: the same losses and gradient norms.
+    assert [r["loss"] for r in background] == pytest.approx([r["loss"] for r in straight], rel=1e-6, abs=1e-7)
+    assert [r["grad_norm"] for r in background] == pytest.approx([r["grad_norm"] for r in straight], rel=1e-5)
+    checkpoints = folder / "async_z3" / "checkpoints"
+    assert sorted(path.name for path in checkpoints.iterdir()) == [f"step_{step:08d}" for step in (2, 4, 6, 8)]
+    for step in (2, 4, 6, 8):
+        report = verify_checkpoint(checkpoints / f"step_{step:08d}")
+        state = json.loads((checkpoints / f"step_{step:08d}" / "trainer_state.json").read_text())
+        assert report.step == step and state["step"] == step and len(state["rng"]) == 2
+        shards = json.loads((checkpoints / f"step_{step:08d}" / "manifest.json").read_text())["files"]
+        assert sum("optim_states" in name for name in shards) == 2  # both ranks' ZeRO-3 shards
+    assert results["async_resume"]["ok"] and results["async_resume"]["step"] == 8, results["async_resume"]
+    resumed = metrics(folder, "async_resume")
+    assert [r["step"] for r in resumed] == [7, 8]
+    assert [r["loss"] for r in resumed] == pytest.approx([r["loss"] for r in straight[6:]], rel=1e-6, abs=1e-7)
 
 
 def test_legacy_deepspeed_folder_resumes(trained):

@@ -386,3 +386,89 @@ def test_a_stalled_collective_removes_staging_and_retires_the_group(tmp_path):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(CheckpointError, match="unusable after an earlier failure"):
         publisher.publish(2, payload_writer())
+
+
+# --- publish_async: phases 5-6 in a background thread -----------------------------------------
+
+
+def hold_fsyncs(recorder: FsRecorder):
+    """Make every file fsync wait for the returned event (the real fsync follows): a disk that is slow
+    on purpose, so that what the caller can do before the save is durable is observable, not a race."""
+    import threading
+
+    gate = threading.Event()
+
+    def held(path):
+        assert gate.wait(timeout=30), "the test never released the fsyncs"
+        return None
+
+    recorder.faults["fsync_file"] = held
+    return gate
+
+
+def test_publish_async_returns_before_the_save_is_durable_and_wait_publishes_it(tmp_path, recorder):
+    publisher = CheckpointPublisher(tmp_path, parts=["policy"])
+    gate = hold_fsyncs(recorder)
+    blocked = publisher.publish_async(7, payload_writer("7"), meta={"run": "async"})
+
+    # Returned with the shards written but nothing fsynced: not visible, not taken by a resume.
+    assert blocked >= 0 and publisher.pending_step == 7
+    assert published_names(tmp_path) == [] and find_latest(tmp_path) is None
+    (staging,) = [tmp_path / name for name in hidden_names(tmp_path)]
+    assert ".staging-" in staging.name and (staging / "policy" / "mp_rank_00_model_states.pt").is_file()
+    assert not (staging / MANIFEST_NAME).exists()
+
+    gate.set()
+    report = publisher.wait()
+    assert publisher.pending_step is None and publisher.wait() is None
+    assert report.path == tmp_path / step_dir_name(7) and report.blocked_s == blocked <= report.seconds
+    assert read_manifest(report.path).meta == {"run": "async"} and verify_checkpoint(report.path).files == 4
+    assert hidden_names(tmp_path) == [] and find_latest(tmp_path) == report.path
+    # The background half keeps the publisher's order: every file fsynced, then the manifest, then the rename.
+    manifest_rename = recorder.index("rename", staging / "manifest.json.tmp", staging / MANIFEST_NAME)
+    for relative in read_manifest(report.path).files:
+        assert recorder.index("fsync_file", staging / relative) < manifest_rename
+    assert manifest_rename < recorder.index("rename", staging, report.path)
+
+
+def test_the_next_save_waits_for_the_one_in_flight(tmp_path, recorder):
+    publisher = CheckpointPublisher(tmp_path, keep_last=1)
+    gate = hold_fsyncs(recorder)
+    publisher.publish_async(1, payload_writer("1"))
+    import threading
+
+    threading.Timer(0.2, gate.set).start()  # the second save can start only once the first has published
+    second = publisher.publish(2, payload_writer("2"))
+    assert published_names(tmp_path) == ["step_00000002"] and second.blocked_s == second.seconds
+    assert json.loads((second.path / "trainer_state.json").read_text()) == {"tag": "2"}
+    staged = [call for call in recorder.calls if call[0] == "make_dir" and ".staging-" in call[1]]
+    renames = [i for i, call in enumerate(recorder.calls) if call[0] == "rename" and call[2].endswith("step_00000001")]
+    assert len(staged) == 2 and renames and renames[0] < recorder.calls.index(staged[1])
+
+
+def test_a_background_failure_is_raised_by_wait_and_loses_nothing(tmp_path, recorder):
+    publisher = CheckpointPublisher(tmp_path)
+    previous = publisher.publish(1, payload_writer("1")).path
+    recorder.faults["fsync_file"] = lambda path: (
+        OSError(errno.EIO, "Input/output error", str(path)) if Path(path).name == "optim_states.pt" else None
+    )
+    publisher.publish_async(2, payload_writer("2"))  # the write phase succeeds: the error comes later
+    with pytest.raises(CheckpointError) as raised:
+        publisher.wait()
+    message = str(raised.value)
+    assert message.startswith("background checkpoint save step 2 failed in phase 'hash'") and "Input/output error" in message
+    assert isinstance(raised.value.__cause__, CheckpointError)
+    assert published_names(tmp_path) == [previous.name] and hidden_names(tmp_path) == []
+    verify_checkpoint(previous)
+    # Raised once: the publisher is usable again, and the next save publishes.
+    recorder.faults.clear()
+    assert publisher.publish(3, payload_writer("3")).path.name == "step_00000003"
+
+
+def test_a_background_failure_surfaces_at_the_next_save(tmp_path, recorder):
+    publisher = CheckpointPublisher(tmp_path)
+    recorder.faults["write_bytes"] = lambda path, data: OSError(errno.ENOSPC, "No space left on device", str(path))
+    publisher.publish_async(1, payload_writer("1"))
+    with pytest.raises(CheckpointError, match=r"background checkpoint save step 1 failed.*out of disk space"):
+        publisher.publish_async(2, payload_writer("2"))
+    assert published_names(tmp_path) == [] and hidden_names(tmp_path) == []
