@@ -5,12 +5,18 @@ engine, and against the disk's sequential write bandwidth, measured alternately 
     python benchmarks/checkpoint_cost.py --sizes tiny --repeats 1 --hash-mib 16   (smoke size)
 
 One launch of 2 ranks builds, for each (ZeRO stage, model size), AstrAI's own engine (astrai.engine),
-takes one optimizer step so the optimizer state exists, then repeats, in rotating order:
+takes one optimizer step so the optimizer state exists, then repeats, in rotating order, each after
+--overlap-steps optimizer steps (a save in a run follows training, not another save):
     plain        engine.save_checkpoint(dir)  (DeepSpeed alone: page cache, no fsync)
     plain+fsync  the same, then every file fsynced (what durability alone costs)
     publish      CheckpointPublisher.publish with the job's default hash (sha256): staging, shards,
                  fsync + hash of every file, manifest, directory fsyncs, atomic rename
     publish_xxh3 the same with checkpoint.hash: xxh3_128
+    publish_async CheckpointPublisher.publish_async (checkpoint.async_save: true), sha256: the time
+                 training is blocked (staging + shards); then --overlap-steps optimizer steps run
+                 while hashing, fsync, manifest and rename go on in the background thread, timed
+                 against the steps just before it, with no save in flight; then wait().
+                 Also recorded: the background save's own time to durable (its report's seconds)
     disk         both ranks write as many bytes as their checkpoint shards at once, then fsync
 Times are the slowest rank's (a save ends when every rank has finished). Hashing GB/s is measured in
 memory (one thread) in the parent process.
@@ -33,7 +39,8 @@ from benchmarks.common import (  # noqa: E402
     markdown_table, model_init, parameter_count, require_success, summarize, write_results,
 )
 
-METHODS = ("plain", "plain+fsync", "publish", "publish_xxh3", "disk")
+METHODS = ("plain", "plain+fsync", "publish", "publish_xxh3", "publish_async", "disk")
+PUBLISHED = {"publish": "published", "publish_xxh3": "published_xxh3", "publish_async": "published_async"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -42,6 +49,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--stages", default="2,3")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--overlap-steps", type=int, default=2, help="optimizer steps timed while an async save finishes")
     parser.add_argument("--hash-mib", type=int, default=256, help="buffer hashed in memory per algorithm")
     parser.add_argument("--results-dir", default=str(RESULTS))
     parser.add_argument("--name", default="checkpoint_cost")
@@ -153,13 +161,20 @@ def worker(plan: dict) -> int:
                                      max_grad_norm=1.0, precision="fp32", lr=1e-3, betas=(0.9, 0.95), eps=1e-8, world_size=world)
             engine = make_engine(build_model(init, 0), config, weight_decay=0.0, schedule=lambda _: 1.0)
             ids = torch.randint(0, init["vocab_size"], (2, 64))
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
+
+            def train_steps(count: int) -> float:
+                begun = time.perf_counter()
+                for _ in range(count):
+                    engine.backward(engine(input_ids=ids, labels=ids).loss)
+                    engine.step()
+                return time.perf_counter() - begun
+
+            train_steps(1)
             case = root / f"z{stage}_{size}"
             publishers = {
                 "publish": CheckpointPublisher(case / "published", parts=["policy"], hash_algorithm="sha256"),
                 "publish_xxh3": CheckpointPublisher(case / "published_xxh3", parts=["policy"], hash_algorithm="xxh3_128"),
+                "publish_async": CheckpointPublisher(case / "published_async", parts=["policy"], hash_algorithm="sha256"),
             }
             own_bytes = None
             for repeat in range(plan["repeats"]):
@@ -169,6 +184,12 @@ def worker(plan: dict) -> int:
                     dist.barrier()
                     hash_seconds["value"] = 0.0
                     write_seconds = {"value": 0.0}
+                    overlap = {}
+                    # Every save follows the same training steps, as in a run: a save straight after another
+                    # reuses its just-freed memory and runs up to 4x faster on this VM (its balloon takes back
+                    # memory left idle for a second or two). For publish_async these are the steps' own pace.
+                    overlap["steps_before_s"] = slowest(train_steps(plan["overlap_steps"]))
+                    dist.barrier()
                     started = time.perf_counter()
                     if method in ("plain", "plain+fsync"):
                         engine._engine.save_checkpoint(str(target))
@@ -181,11 +202,20 @@ def worker(plan: dict) -> int:
                             engine.save(staging / "policy")
                             write_seconds["value"] = time.perf_counter() - begun
 
-                        publishers[method].publish(repeat + 1, write)
+                        if method == "publish_async":
+                            publishers[method].publish_async(repeat + 1, write)
+                        else:
+                            publishers[method].publish(repeat + 1, write)
                     else:  # disk: this rank's share of the checkpoint's bytes, written and fsynced
                         target.mkdir(parents=True, exist_ok=True)
                         _write_and_fsync(target / f"rank{rank}.bin", own_bytes or 0)
                     seconds = time.perf_counter() - started
+                    if method == "publish_async":
+                        pending = publishers[method].pending_step is not None
+                        overlapped_s = train_steps(plan["overlap_steps"])
+                        report = publishers[method].wait()
+                        overlap.update(pending=total(float(pending)), with_save_s=slowest(overlapped_s),
+                                       durable_s=slowest(report.seconds))
                     seconds_all = slowest(seconds)
                     hash_all = slowest(hash_seconds["value"])
                     write_all = slowest(write_seconds["value"])
@@ -193,15 +223,15 @@ def worker(plan: dict) -> int:
                     if method == "plain" and own_bytes is None:
                         sizes = [p.stat().st_size for p in _files_under(target)]
                         own_bytes = int(sum(sizes) // world) + 1
-                    total_bytes = sum(p.stat().st_size for p in _files_under(target if not method.startswith("publish") else case / ("published" if method == "publish" else "published_xxh3")))
+                    total_bytes = sum(p.stat().st_size for p in _files_under(case / PUBLISHED[method] if method in PUBLISHED else target))
                     results.append({"stage": stage, "size": size, "method": method, "repeat": repeat, "seconds": seconds_all,
-                                    "hash_phase_s": hash_all if method.startswith("publish") else None,
-                                    "write_phase_s": write_all if method.startswith("publish") else None, "bytes": total_bytes})
+                                    "hash_phase_s": hash_all if method in PUBLISHED else None,
+                                    "write_phase_s": write_all if method in PUBLISHED else None, "bytes": total_bytes, **overlap})
                     dist.barrier()
                     if rank == 0:
                         shutil.rmtree(target, ignore_errors=True)
-                        if method.startswith("publish"):
-                            shutil.rmtree(case / ("published" if method == "publish" else "published_xxh3"), ignore_errors=True)
+                        if method in PUBLISHED:
+                            shutil.rmtree(case / PUBLISHED[method], ignore_errors=True)
                     dist.barrier()
             del engine
     if rank == 0:
@@ -221,7 +251,7 @@ def main(argv=None) -> int:
     results_dir, work, info = fresh_workspace(args.results_dir, args.name)
     started = time.perf_counter()
     hashing = hashing_gbps(args.hash_mib)
-    plan = {"work": str(work / "checkpoints"), "out": str(work / "worker.json"), "repeats": args.repeats,
+    plan = {"work": str(work / "checkpoints"), "out": str(work / "worker.json"), "repeats": args.repeats, "overlap_steps": args.overlap_steps,
             "stages": [int(s) for s in args.stages.split(",")], "sizes": args.sizes.split(",")}
     (work / "plan.json").write_text(json.dumps(plan))
     result = launch(deepspeed_command(args.ranks, Path(__file__).resolve(), "--worker", str(work / "plan.json")),
@@ -230,29 +260,46 @@ def main(argv=None) -> int:
     measured = json.loads((work / "worker.json").read_text())["results"]
     hashing_after = hashing_gbps(args.hash_mib)
     hashing = {name: max(v for v in (hashing[name], hashing_after[name]) if v is not None) if hashing[name] else None for name in hashing}
+    cases = summarize_cases(measured, plan["stages"], plan["sizes"], args.repeats)
+    payload = {"benchmark": "checkpoint_cost", "command": command_line(), "machine": info, "settings": vars(args), "hashing_gbps": hashing,
+               "cases": cases, "runs": measured, "total_s": time.perf_counter() - started}
+    write_results(args.name, payload, render_markdown(payload), results_dir)
+    return 0
+
+
+
+def summarize_cases(measured: list[dict], stages: list[int], sizes: list[str], repeats: int) -> list[dict]:
+    """Per (stage, size): each method's seconds and the ratios against the same round's baselines."""
     cases = []
-    for stage in plan["stages"]:
-        for size in plan["sizes"]:
+    for stage in stages:
+        for size in sizes:
             rows = [r for r in measured if r["stage"] == stage and r["size"] == size]
             by = {(r["method"], r["repeat"]): r for r in rows}
             case = {"stage": stage, "size": size, "parameters": parameter_count(model_init(size, 64)),
                     "bytes": next(r["bytes"] for r in rows if r["method"] == "plain")}
             for method in METHODS:
-                case[method] = summarize([by[(method, k)]["seconds"] for k in range(args.repeats) if (method, k) in by])
+                case[method] = summarize([by[(method, k)]["seconds"] for k in range(repeats) if (method, k) in by])
             for method in METHODS[1:]:
-                case[f"{method}/plain"] = summarize([by[(method, k)]["seconds"] / by[("plain", k)]["seconds"] for k in range(args.repeats)])
+                case[f"{method}/plain"] = summarize([by[(method, k)]["seconds"] / by[("plain", k)]["seconds"] for k in range(repeats)])
             for method in ("publish", "publish_xxh3"):  # what a crash-safe publish costs beyond durability itself
-                case[f"{method}/plain+fsync"] = summarize([by[(method, k)]["seconds"] / by[("plain+fsync", k)]["seconds"] for k in range(args.repeats)])
-            case["publish/disk"] = summarize([by[("publish", k)]["seconds"] / by[("disk", k)]["seconds"] for k in range(args.repeats)])
-            case["disk_gbps"] = summarize([case["bytes"] / by[("disk", k)]["seconds"] / 1e9 for k in range(args.repeats)])
-            for method in ("publish", "publish_xxh3"):
-                case[f"{method}_hash_phase_s"] = summarize([by[(method, k)]["hash_phase_s"] for k in range(args.repeats)])
-                case[f"{method}_write_phase_s"] = summarize([by[(method, k)]["write_phase_s"] for k in range(args.repeats)])
+                case[f"{method}/plain+fsync"] = summarize([by[(method, k)]["seconds"] / by[("plain+fsync", k)]["seconds"] for k in range(repeats)])
+            asyncs = [by[("publish_async", k)] for k in range(repeats) if ("publish_async", k) in by]
+            case["publish_async_durable/plain"] = summarize([r["durable_s"] / by[("plain", r["repeat"])]["seconds"] for r in asyncs])
+            case["publish_async_durable/plain+fsync"] = summarize(
+                [r["durable_s"] / by[("plain+fsync", r["repeat"])]["seconds"] for r in asyncs])
+            case["steps_during_async/alone"] = summarize([r["with_save_s"] / r["steps_before_s"] for r in asyncs])
+            case["steps_alone_s"] = summarize([r["steps_before_s"] for r in asyncs])
+            case["async_pending_ranks"] = summarize([r["pending"] for r in asyncs])  # ranks whose save was still in flight
+            case["publish/disk"] = summarize([by[("publish", k)]["seconds"] / by[("disk", k)]["seconds"] for k in range(repeats)])
+            case["disk_gbps"] = summarize([case["bytes"] / by[("disk", k)]["seconds"] / 1e9 for k in range(repeats)])
+            for method in PUBLISHED:
+                case[f"{method}_hash_phase_s"] = summarize([by[(method, k)]["hash_phase_s"] for k in range(repeats)])
+                case[f"{method}_write_phase_s"] = summarize([by[(method, k)]["write_phase_s"] for k in range(repeats)])
+                # what the publisher itself holds training for, beyond DeepSpeed writing the shards
+                case[f"{method}_own_blocking_s"] = summarize(
+                    [by[(method, k)]["seconds"] - by[(method, k)]["write_phase_s"] for k in range(repeats)])
             cases.append(case)
-    payload = {"benchmark": "checkpoint_cost", "command": command_line(), "machine": info, "settings": vars(args), "hashing_gbps": hashing,
-               "cases": cases, "runs": measured, "total_s": time.perf_counter() - started}
-    write_results(args.name, payload, render_markdown(payload), results_dir)
-    return 0
+    return cases
 
 
 def render_markdown(payload: dict) -> str:
@@ -278,6 +325,21 @@ def render_markdown(payload: dict) -> str:
                                  "publish sha256 ÷ (plain + fsync)", "publish xxh3 ÷ (plain + fsync)",
                                  "disk write+fsync of the same bytes ÷ plain", "disk GB/s (both ranks, fsync)",
                                  "publish sha256: write / fsync+hash phase (s)"], rows))
+    lines += ["", f"checkpoint.async_save (sha256): training is blocked only while the shards are written; hashing, fsync, "
+              f"manifest and rename run in a background thread while {settings['overlap_steps']} optimizer step(s) go on, "
+              "timed against the same steps just before it with no save in flight. Durable = until the background "
+              "save's rename (its report's seconds).", ""]
+    rows = []
+    for case in payload["cases"]:
+        rows.append([f"ZeRO-{case['stage']} {case['size']}", fmt_summary(case["publish/plain"]), fmt_summary(case["publish_async/plain"]),
+                     f"{fmt(case['publish_own_blocking_s']['median'], 3)} / {fmt(case['publish_async_own_blocking_s']['median'], 3)}",
+                     fmt_summary(case["publish_async_durable/plain"]), fmt_summary(case["publish_async_durable/plain+fsync"]),
+                     fmt_summary(case["steps_alone_s"], 2), fmt_summary(case["steps_during_async/alone"]),
+                     fmt(case["async_pending_ranks"]["median"], 1)])
+    lines.append(markdown_table(["case", "publish (sync) ÷ plain", "async: blocked ÷ plain",
+                                 "publisher's own blocking beyond the shard write, sync / async (s)", "async: durable ÷ plain",
+                                 "async: durable ÷ (plain + fsync)", "steps alone (s)", "steps during the async save ÷ alone",
+                                 "ranks still publishing when the call returned"], rows))
     lines += ["", f"Command: `{payload['command']}` ({payload['total_s'] / 60:.1f} min)."]
     return "\n".join(lines)
 
