@@ -52,9 +52,28 @@ def _close_step(run: Run, state: TrainerState, record: dict, metrics: MetricsLog
         checkpoints.save(state, metrics, final=state.step == run.total_steps)
 
 
+def offline_update(run: Run, micro_batches: list[dict]) -> dict[str, float]:
+    """One optimizer step of the offline loop over this rank's collated micro-batches: the strategy loss,
+    engine backward/step per micro-batch. Returns this rank's metric sums (with `tokens`), not yet reduced.
+    (A function of its own so benchmarks/step_overhead.py times the trainer's own step, not a copy.)"""
+    strategy, policy = run.strategy, run.engines["policy"]
+    # Every micro-batch of the step, on every rank, divides by the same count: the update is the
+    # token mean over the whole step, whatever the split into micro-batches and ranks.
+    loss_weight = all_reduce_sum(sum(strategy.loss_weight(b) for b in micro_batches), run.dist.device)
+    normalizer = max(loss_weight, 1.0) / (run.dist.world_size * len(micro_batches))
+    sums: dict[str, float] = defaultdict(float)
+    for batch in micro_batches:
+        output = strategy.compute_loss(policy, _to_device(batch, run.dist.device), normalizer)
+        policy.backward(output.loss)
+        policy.step()
+        _add(sums, output)
+        sums["tokens"] += float(batch["attention_mask"].sum())
+    return sums
+
+
 def train_offline(run: Run) -> TrainerState:
     job, strategy, policy = run.job, run.strategy, run.engines["policy"]
-    accumulation, world = job.train.grad_accum_steps, run.dist.world_size
+    accumulation = job.train.grad_accum_steps
     checkpoints = TrainingCheckpoints(run)
     state = checkpoints.resume()  # restores engines, RNG and the data position, or starts fresh
     metrics = MetricsLog(
@@ -68,18 +87,8 @@ def train_offline(run: Run) -> TrainerState:
         for step in range(state.step + 1, run.total_steps + 1):
             step_started = time.perf_counter()
             micro_batches = [strategy.collate([run.dataset[i] for i in next(batches)]) for _ in range(accumulation)]
-            # Every micro-batch of the step, on every rank, divides by the same count: the update is the
-            # token mean over the whole step, whatever the split into micro-batches and ranks.
-            loss_weight = all_reduce_sum(sum(strategy.loss_weight(b) for b in micro_batches), run.dist.device)
-            normalizer = max(loss_weight, 1.0) / (world * accumulation)
             lr = policy.lr
-            sums: dict[str, float] = defaultdict(float)
-            for batch in micro_batches:
-                output = strategy.compute_loss(policy, _to_device(batch, run.dist.device), normalizer)
-                policy.backward(output.loss)
-                policy.step()
-                _add(sums, output)
-                sums["tokens"] += float(batch["attention_mask"].sum())
+            sums = offline_update(run, micro_batches)
             state.step, state.policy_version = step, step
             state.consumed_samples += run.samples_per_step
             state.epoch = run.order.epoch_of(state.consumed_samples)
