@@ -430,7 +430,6 @@ def export_main(argv: list[str]) -> int:
         args = parse_args(argv)
     except SystemExit as exit_request:  # argparse exits on bad arguments and --help; return its status
         return int(exit_request.code or 0)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only: never wait on a download
     logging.basicConfig(level=logging.INFO, format="astrai export-hf: %(message)s")
     from astrai.checkpoint import CheckpointError
 

@@ -86,8 +86,6 @@ def main(argv: list[str] | None = None) -> int:
     from astrai.preflight import PreflightError, preflight_check, prepare_rank_environment, write_rank_report
     from astrai.trainer import TRAIN_LOOPS
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub at run time: fail fast, never hang on a download
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     prepare_rank_environment()  # ranks started by mpirun/srun get torch's RANK, WORLD_SIZE, LOCAL_RANK
     write_rank_report(job)  # written before the rendezvous, so it exists even if that hangs
     # Before the rendezvous (the launcher's RANK names the rank), so what setup logs (the threads per rank) is shown.

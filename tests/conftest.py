@@ -50,6 +50,20 @@ def child_env(**extra: str) -> dict[str, str]:
     return env
 
 
+NETWORK_SPY = REPO / "tests" / "integration" / "network_spy"
+
+
+def user_env(network_log: Path) -> dict[str, str]:
+    """A launch environment as a user's shell has it (no HF_*_OFFLINE set by us), with the network spy
+    (tests/integration/network_spy) loaded by every process: lookups and connections off this machine
+    are refused and written to `network_log`."""
+    env = child_env(ASTRAI_NETWORK_LOG=str(network_log))
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_UPDATE_DOWNLOAD_COUNTS"):
+        env.pop(name, None)
+    env["PYTHONPATH"] = os.pathsep.join([str(NETWORK_SPY), env["PYTHONPATH"]])
+    return env
+
+
 def python() -> str:
     return sys.executable
 
@@ -77,15 +91,16 @@ def run_bounded(command: list[str], timeout: float, **options) -> subprocess.Com
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
-def launch_ranks(arguments: list[str], ranks: int, timeout: float) -> subprocess.CompletedProcess:
+def launch_ranks(arguments: list[str], ranks: int, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """The real `deepspeed --num_gpus ranks --master_port <free> ARGUMENTS` from the repo root, bounded.
 
     Every launch gets a free port of its own (DeepSpeed's default 29500 is shared by every launch that
     forgets one, so one leftover rank blocks them all), and must leave no shared-memory segment behind
-    for it in /dev/shm (see astrai.engine.distributed.skip_shared_memory_allreduce)."""
+    for it in /dev/shm (see astrai.engine.distributed.skip_shared_memory_allreduce). `env`: the launch's
+    whole environment (default `child_env()`)."""
     port = free_port()
     command = deepspeed_launcher() + [f"--num_gpus={ranks}", "--master_port", str(port), *map(str, arguments)]
-    finished = run_bounded(command, timeout, cwd=REPO, env=child_env())
+    finished = run_bounded(command, timeout, cwd=REPO, env=child_env() if env is None else env)
     leaked = glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*")
     assert not leaked, f"the launch left shared memory behind: {leaked}"
     return finished

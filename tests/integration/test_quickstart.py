@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from astrai.checkpoint import verify_checkpoint
-from tests.conftest import launch_ranks
+from tests.conftest import launch_ranks, user_env
 
 pytestmark = pytest.mark.slow
 
@@ -20,8 +20,11 @@ def test_quickstart_job_runs_through_the_real_launcher(tmp_path):
         "--set", "train.max_steps=40", "--set", f"output_dir={output}", "--set", f"export.hf_dir={output / 'hf'}",
         "--set", "checkpoint.every_steps=10",  # 4 publishes: the job's keep_last: 2 retires two of them
     ]
-    result = launch_ranks(arguments, ranks=1, timeout=600)
+    network_log = tmp_path / "network.log"  # launched from a user's environment: nothing may leave the machine
+    result = launch_ranks(arguments, ranks=1, timeout=600, env=user_env(network_log))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert len(network_log.with_name("network.log.pids").read_text().split()) >= 3  # the spy watched launcher, launch.py and rank
+    assert not network_log.exists(), network_log.read_text()
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 41))
     for field in ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "elapsed_s"):

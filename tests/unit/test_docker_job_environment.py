@@ -27,7 +27,7 @@ data: {{path: {data}}}
 train: {{train_type: sft, max_steps: 1}}
 """
 # Variables train.main sets in this process (the launcher would have set the rank ones).
-SET_BY_MAIN = ("ASTR_LOG_LEVEL", "ASTR_BACKEND", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
+SET_BY_MAIN = ("ASTR_LOG_LEVEL", "ASTR_BACKEND", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.fixture
