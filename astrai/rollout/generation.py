@@ -12,6 +12,10 @@ differences between cached generation and a full forward (about 1e-6 in fp32, 1e
 enter the loss. What remains is the sampler's truncation: with top_p < 1 or top_k > 0 the tokens come
 from a truncated distribution while the ratio uses the full (temperature-scaled) one, a small bias
 shared by TRL, OpenRLHF and verl; the defaults (top_p 1, top_k 0) have none.
+`rollout.behaviour_logprobs: sampler` skips that forward and keeps, at each generation step, the
+log-prob of the sampled token under the sampler's own raw logits (full, temperature-scaled softmax,
+one step's [N, vocab] held at a time): 1.1x the rollout's tokens/s on a CPU, at the price of the cached-vs-full kernel
+difference entering the first ratio (about 1e-6 in fp32; about 1e-2 in bf16, where recompute is the safe choice).
 
 ZeRO-3 (`rollout.zero3_generation`): by default generation runs in a plain, hook-free copy of the
 policy that `Engine.generation_module()` allocates for the rollout and fills one gathered parameter
@@ -181,9 +185,49 @@ def sampling_config(settings, tokenizer):
     )
 
 
+class SampledTokenLogprobs:
+    """A logits processor that records the log-prob of each sampled token under the model's raw logits,
+    softmax over the whole vocabulary at the sampling temperature: what the loss's forward computes, not
+    the top_k/top_p-truncated distribution the token was drawn from.
+
+    generate calls it once per step with the step's logits, before the token is drawn; the token shows up
+    as the last column of input_ids at the next call (and of the output after the last one). So it keeps
+    one step's log-softmax [N, vocab] and gathers from it one call later. It must see raw logits: AstrAI's
+    sampling config enables no processor that generate would put before a user's, and the warpers
+    (temperature, top_k, top_p) always come after it."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.previous: torch.Tensor | None = None  # [N, vocab] float32 log-softmax of the last step
+        self.steps: list[torch.Tensor] = []  # [N] per generated token
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self._take(input_ids[:, -1])
+        self.previous = torch.log_softmax(scores.float() / self.temperature, dim=-1)
+        return scores
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        if self.previous is not None:
+            self.steps.append(self.previous.gather(-1, tokens[:, None]).squeeze(-1))
+
+    def logprobs(self, response_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """[N, R] float32 log-probs of response_ids, 0 where mask is 0 (pads after EOS)."""
+        self._take(response_ids[:, -1])
+        self.previous = None
+        gathered = torch.stack(self.steps, dim=1) if self.steps else response_ids.new_zeros(response_ids.shape, dtype=torch.float32)
+        if gathered.shape != response_ids.shape:  # generate skipped the processor at some step: a transformers change
+            raise RuntimeError(f"sampler log-probs cover {tuple(gathered.shape)} of responses {tuple(response_ids.shape)}; use rollout.behaviour_logprobs: recompute")
+        return gathered * mask
+
+
 @torch.no_grad()
-def sample_responses(engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings, tokenizer) -> torch.Tensor:
-    """Sampled continuation ids [N, R] (R <= max_new_tokens; finished rows padded with the pad id)."""
+def sample_responses(
+    engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings, tokenizer, recorder: SampledTokenLogprobs | None = None
+) -> torch.Tensor:
+    """Sampled continuation ids [N, R] (R <= max_new_tokens; finished rows padded with the pad id).
+    recorder: a SampledTokenLogprobs that generate calls at every step (the sampler's behaviour log-probs)."""
+    from transformers import LogitsProcessorList
+
     mode = getattr(settings, "zero3_generation", "copy")
     # Only the partitioned module's forwards are collectives: then a rank whose responses all ended keeps stepping.
     synced = engine.zero_stage == 3 and mode == "gather" and dist.is_initialized() and dist.get_world_size() > 1
@@ -192,7 +236,8 @@ def sample_responses(engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
         model.eval()  # no dropout while sampling; the behaviour log-probs come from the training forward anyway
         try:
             output = model.generate(
-                input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=sampling_config(settings, tokenizer), synced_gpus=synced
+                input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=sampling_config(settings, tokenizer), synced_gpus=synced,
+                logits_processor=LogitsProcessorList([recorder] if recorder is not None else []),
             )
         finally:
             model.train(was_training)
@@ -212,23 +257,31 @@ def generate_rollout(
     logprob_batch_size: int,
     behaviour_logprobs: bool = True,
 ) -> RolloutResult:
-    """Sample `settings.group_size` responses to each prompt and recompute their behaviour log-probs.
+    """Sample `settings.group_size` responses to each prompt and take their behaviour log-probs (recomputed
+    by the engine's forward, or kept from the sampler with `settings.behaviour_logprobs: sampler`).
 
     engine: the policy `Engine` (or anything with `.module`, `.zero_stage`, `.generation_module()`
     and a forward); prompt_ids: this rank's prompts as token lists (chat template applied);
     messages, rows: per prompt, handed on to the rewards. settings: the `rollout:` config section.
     Every rank must call this with the same number of prompts under ZeRO-3. behaviour_logprobs=False
-    skips the recomputing forward (the result's behaviour_logprobs is None).
+    takes none (the result's behaviour_logprobs is None).
     """
     group = settings.group_size
     device = engine.device
     repeated = [list(ids) for ids in prompt_ids for _ in range(group)]
     prompts, prompt_mask = (tensor.to(device) for tensor in left_pad(repeated, tokenizer.pad_token_id))
+    from_sampler = behaviour_logprobs and getattr(settings, "behaviour_logprobs", "recompute") == "sampler"
+    recorder = SampledTokenLogprobs(settings.temperature) if from_sampler else None
     with forked_rng(seed, device):
-        response_ids = sample_responses(engine, prompts, prompt_mask, settings, tokenizer)
+        response_ids = sample_responses(engine, prompts, prompt_mask, settings, tokenizer, recorder)
     mask = response_mask(response_ids, tokenizer.eos_token_id)
     sequences = join_sequences(prompts, prompt_mask, response_ids, mask)
-    behaviour = response_logprobs(engine, sequences, temperature=settings.temperature, batch_size=logprob_batch_size) if behaviour_logprobs else None
+    if not behaviour_logprobs:
+        behaviour = None
+    elif from_sampler:
+        behaviour = recorder.logprobs(response_ids, mask)
+    else:
+        behaviour = response_logprobs(engine, sequences, temperature=settings.temperature, batch_size=logprob_batch_size)
     prompt_texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
     response_texts = [tokenizer.decode(ids[keep.bool()].tolist(), skip_special_tokens=True) for ids, keep in zip(response_ids, mask)]
     return RolloutResult(

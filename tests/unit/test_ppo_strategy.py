@@ -338,3 +338,23 @@ def test_cli_shorthands_and_the_quickstart_config(monkeypatch):
     job = load_and_check("configs/quickstart_ppo.yaml", tiny + args.set)
     assert (job.train.train_type, job.rl.gamma, job.rl.gae_lambda, job.rl.vf_coef) == ("online_ppo", 0.99, 0.9, 0.1)
     assert job.data.path == "data/arithmetic/prompts_64.jsonl" and job.rl.clip_eps_high == 0.2
+
+
+def test_sampler_behaviour_logprobs_from_the_job_config_give_ratio_one_at_the_behaviour_weights(tokenizer):
+    """rollout.behaviour_logprobs: sampler, through the job schema: the rollout keeps the sampling logits'
+    log-probs, and the first PPO loss at the same weights sees a ratio of 1 (fp32: nothing clipped, approx_kl ~0)."""
+    policy = tiny_model(tokenizer, seed=0)
+    config = job(rollout={"behaviour_logprobs": "sampler", "max_new_tokens": 8}, rl={"kl_coef": 0.0})
+    chats = [[{"role": "user", "content": text}] for text in ("1+2=", "30-4=")]
+    prompts = [render_prompt(tokenizer, chat) for chat in chats]
+    result = generate_rollout(PlainEngine(policy), tokenizer, prompts, chats, [{}, {}], config.rollout, seed=3, policy_version=0, logprob_batch_size=2)
+    strategy = ppo_with(config, tokenizer, fresh_critic(policy))
+    targets = strategy.frozen_targets(result)
+    mask = targets["response_mask"].bool()
+    recomputed = response_logprobs(PlainEngine(policy), targets, temperature=1.0, batch_size=8)
+    assert torch.allclose(targets["behaviour_logprobs"], recomputed, atol=1e-5) and (targets["behaviour_logprobs"][mask] < 0).all()
+    output = strategy.compute_loss(PlainEngine(policy), targets, normalizer=float(mask.sum()))
+    assert output.sums["clip_frac"] == 0.0 and output.sums["approx_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert JobConfig.model_validate({**config.model_dump(), "rollout": {"behaviour_logprobs": "recompute"}}).rollout.behaviour_logprobs == "recompute"
+    with pytest.raises(ValidationError, match="behaviour_logprobs"):
+        job(rollout={"behaviour_logprobs": "cache"})

@@ -131,6 +131,27 @@ def test_rollout_shapes_groups_and_behaviour_logprobs(model, tokenizer):
         assert result.behaviour_logprobs[index, : len(response)].tolist() == pytest.approx(expected.tolist(), abs=ATOL)
 
 
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.7, "top_k": 4}, {"temperature": 1.3, "top_p": 0.5}])
+def test_sampler_behaviour_logprobs_equal_the_recomputed_ones(model, tokenizer, sampling):
+    """`rollout.behaviour_logprobs: sampler` keeps what generate saw: the same responses (the processor only
+    reads), log-probs under the full temperature-scaled softmax (not the truncated one that was sampled), 0 on pads."""
+    prompt_ids, messages = prompts_of(tokenizer, ["1+2=", "10+20=", "7-3="])
+
+    def rollout(source):
+        return generate_rollout(PlainEngine(model), tokenizer, prompt_ids, messages, [{}, {}, {}], settings(behaviour_logprobs=source, max_new_tokens=12, **sampling),
+                                seed=11, policy_version=0, logprob_batch_size=4)
+
+    recomputed, sampled = rollout("recompute"), rollout("sampler")
+    assert torch.equal(sampled.response_ids, recomputed.response_ids) and torch.equal(sampled.response_mask, recomputed.response_mask)
+    assert sampled.response_mask.sum() > 12
+    if not sampling:  # untruncated, this random model ends some responses early: pads to keep at 0
+        assert not sampled.response_mask.all()
+    assert sampled.behaviour_logprobs.dtype == torch.float32
+    assert torch.allclose(sampled.behaviour_logprobs, recomputed.behaviour_logprobs, atol=ATOL)
+    assert (sampled.behaviour_logprobs[sampled.response_mask == 0] == 0).all()
+    assert (sampled.behaviour_logprobs[sampled.response_mask == 1] < 0).all()
+
+
 def test_max_length_truncates_and_marks(model, tokenizer):
     prompt_ids, messages = prompts_of(tokenizer, ["1+2="])
     result = generate_rollout(PlainEngine(model), tokenizer, prompt_ids, messages, [{}], settings(group_size=8, max_new_tokens=2), seed=1, policy_version=0, logprob_batch_size=8)
