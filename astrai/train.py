@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from astrai.checkpoint import CheckpointError
     from astrai.config import dump_job
     from astrai.data.sources import DataError
-    from astrai.engine import CollectiveStalledError, set_log_format, setup_distributed, shutdown_distributed
+    from astrai.engine import CollectiveStalledError, set_log_format, setup_distributed, shutdown_distributed, tune_malloc
     from astrai.export import ExportError
     from astrai.models.policy import ModelError
     from astrai.models.tokenizer import TokenizerError
@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     # Before the rendezvous (the launcher's RANK names the rank), so what setup logs (the threads per rank) is shown.
     set_log_format(int(os.environ.get("RANK", "0")), os.environ.get("ASTR_LOG_LEVEL") or job.runtime.log_level)
     dist = setup_distributed(job.runtime.dist_timeout_s)
+    if job.runtime.tune_malloc:
+        tune_malloc()
     try:
         output_dir = Path(job.output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)

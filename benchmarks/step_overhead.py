@@ -63,7 +63,7 @@ def worker(plan: dict) -> int:
     import deepspeed
     from astrai.build import build_run
     from astrai.config import load_job
-    from astrai.engine import setup_distributed
+    from astrai.engine import setup_distributed, tune_malloc
     from astrai.metrics import MetricsLog
     from astrai.trainer import _global_sums, offline_update
     from benchmarks.common import build_model
@@ -72,6 +72,8 @@ def worker(plan: dict) -> int:
     steps_needed = plan["warmup"] + plan["rounds"] * plan["block"]
     job = load_job(plan["job"], [f"train.max_steps={steps_needed}"])
     info = setup_distributed(600)  # pins intra-op threads as the trainer does; the baselines share them
+    if job.runtime.tune_malloc:
+        tune_malloc()  # as the trainer does; process-wide, so the baselines share it too
     run = build_run(job, info, plan["job"])
     policy = run.engines["policy"]
     policy.train()

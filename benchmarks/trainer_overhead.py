@@ -16,6 +16,10 @@ Variants (one launch each, in rotating order, `--repeats` rounds):
     astrai_w2                AstrAI, 2 ranks, ZeRO-2 (threads pinned by AstrAI: cores / local ranks)
     astrai_unpinned_w2       AstrAI, 2 ranks, OMP_NUM_THREADS=<cores> (every rank uses every core)
     trl_w1                   TRL SFTTrainer, 1 process, fp32, no gradient checkpointing (with --trl)
+  Host allocator (runtime.tune_malloc, astrai/engine/host_memory.py; AstrAI's default is tuned):
+    astrai_untuned_w1/_w2    AstrAI with `runtime.tune_malloc: false` (glibc's default thresholds)
+    ds_z0_noreduce_tuned_w1, ds_z2_tuned_w2, torch_tuned_w1
+                             the plain loops with the same thresholds (MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_)
 
 Throughput of a run is the median tokens/s of its steady-state steps (after `--warmup` steps): AstrAI's
 own metrics.jsonl `tokens_per_s`, the plain loops' per-step timing of the same quantity. Each
@@ -44,7 +48,10 @@ from benchmarks.common import (  # noqa: E402
 ALL_VARIANTS = [
     "torch_w1", "ds_z0_w1", "ds_z0_noreduce_w1", "ds_z2_w1", "astrai_w1", "astrai_z2kept_w1",
     "torch_w2", "ds_z2_w2", "ds_z2_unpinned_w2", "astrai_w2", "astrai_unpinned_w2",
+    "astrai_untuned_w1", "ds_z0_noreduce_tuned_w1", "torch_tuned_w1", "astrai_untuned_w2", "ds_z2_tuned_w2",
 ]
+# The plain loops' processes get AstrAI's malloc thresholds (astrai.engine.host_memory) from the environment.
+TUNED_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**30)}
 TRL_VENV = REPO / "benchmarks" / ".venv-trl"
 
 # Ratios reported: (variant, baseline, what it shows).
@@ -64,6 +71,15 @@ RATIOS = [
     ("astrai_w2", "astrai_unpinned_w2", "improvement (a): threads pinned vs every rank on every core"),
     ("ds_z2_w2", "ds_z2_unpinned_w2", "plain DeepSpeed: set_num_threads(1) vs default threads"),
     ("astrai_w1", "trl_w1", "AstrAI 1 rank vs TRL SFTTrainer (target >= 1.25)"),
+    ("astrai_w1", "astrai_untuned_w1", "host malloc tuned vs glibc's defaults, AstrAI 1 rank"),
+    ("astrai_w2", "astrai_untuned_w2", "host malloc tuned vs glibc's defaults, AstrAI 2 ranks"),
+    ("astrai_untuned_w1", "ds_z0_noreduce_w1", "AstrAI untuned, 1 rank, vs the plain ZeRO-0 loop (no 1-rank all-reduce)"),
+    ("astrai_untuned_w2", "ds_z2_w2", "AstrAI untuned, 2 ranks, vs the plain ZeRO-2 loop"),
+    ("ds_z0_noreduce_tuned_w1", "ds_z0_noreduce_w1", "the same malloc thresholds in the plain ZeRO-0 loop, 1 rank"),
+    ("ds_z2_tuned_w2", "ds_z2_w2", "the same malloc thresholds in the plain ZeRO-2 loop, 2 ranks"),
+    ("astrai_w1", "torch_tuned_w1", "AstrAI 1 rank vs plain PyTorch with the same malloc thresholds"),
+    ("astrai_w1", "ds_z0_noreduce_tuned_w1", "AstrAI 1 rank vs the plain ZeRO-0 loop, both with the malloc thresholds"),
+    ("astrai_w2", "ds_z2_tuned_w2", "AstrAI 2 ranks vs the plain ZeRO-2 loop, both with the malloc thresholds"),
 ]
 
 
@@ -117,7 +133,7 @@ def run_variant(variant: str, round_index: int, work: Path, data: dict[str, Path
     out.parent.mkdir(parents=True, exist_ok=True)
     plain = [sys.executable, str(REPO / "benchmarks" / "plain_loop.py")]
     common = ["--model", json.dumps(init), "--tokens", str(data["tokens"]), "--steps", str(args.steps), "--out", str(out)]
-    env = child_env()
+    env = child_env(**TUNED_MALLOC_ENV) if "_tuned" in variant else child_env()
     kind = "plain"
     if variant.startswith("torch_"):
         command = plain + ["--mode", "torch", "--micro-batch", str(args.micro_batch * world)] + common
@@ -132,6 +148,8 @@ def run_variant(variant: str, round_index: int, work: Path, data: dict[str, Path
         kind = "astrai"
         job = astrai_job(work, data, args, init, name)
         sets = ["--set", "deepspeed.single_rank_stage0=false"] if "z2kept" in variant else []
+        if "untuned" in variant:
+            sets += ["--set", "runtime.tune_malloc=false"]
         if "unpinned" in variant:
             env = child_env(OMP_NUM_THREADS=str(cores))
         command = deepspeed_command(world, REPO / "astrai" / "train.py", "--config", str(job), *sets)

@@ -5,6 +5,7 @@ several engines (the PPO policy and critic), each built by `make_engine` with it
 LR schedule and clipping.
 
 - `distributed.py`: the process group (job timeout, DeepSpeed's ZeRO group too), threads, collectives.
+- `host_memory.py`: glibc malloc thresholds that keep each step's buffers instead of faulting them in again.
 - `ds_config.py`: one engine's DeepSpeed config, LR schedule and weight-decay groups.
 - `engines.py`: `Engine`, `FrozenEngine`, partitioned loading, consolidated weights.
 """
@@ -14,6 +15,7 @@ from astrai.engine.distributed import (
     setup_distributed, shutdown_distributed,
 )
 from astrai.engine.ds_config import build_ds_config, deep_merge, effective_zero_stage, lr_lambda, parameter_groups, resolve_precision
+from astrai.engine.host_memory import tune_malloc
 from astrai.engine.engines import (
     DS_TAG, PARAMETER_NAMES_KEY, Engine, FrozenEngine, consolidated_state_dict, make_engine, make_frozen_engine, zero3_loading,
 )
@@ -22,5 +24,5 @@ __all__ = [
     "CollectiveStalledError", "DistInfo", "all_gather_objects", "all_reduce_sum", "all_reduce_sums", "barrier", "pin_threads", "set_log_format",
     "setup_distributed", "shutdown_distributed", "build_ds_config", "deep_merge", "effective_zero_stage", "lr_lambda",
     "parameter_groups", "resolve_precision", "DS_TAG", "PARAMETER_NAMES_KEY", "Engine", "FrozenEngine", "consolidated_state_dict",
-    "make_engine", "make_frozen_engine", "zero3_loading",
+    "make_engine", "make_frozen_engine", "zero3_loading", "tune_malloc",
 ]

@@ -38,6 +38,7 @@ def test_quickstart_job_runs_through_the_real_launcher(tmp_path):
     assert (output / "hf" / "model.safetensors").is_file() and (output / "hf" / "config.json").is_file()
     assert "[rank0]" in result.stdout + result.stderr  # logs carry the rank
     assert "intra-op threads per rank:" in result.stderr  # the thread pinning says what it chose
+    assert "host malloc: blocks up to 32 MiB from the heap" in result.stderr  # runtime.tune_malloc, on by default
     assert "train: 100%" in result.stderr and "40/40" in result.stderr  # rank 0's progress bar ran to the end
     resolved = yaml.safe_load((output / "job.yaml").read_text())  # the job as run, overrides applied
     assert resolved["output_dir"] == str(output) and resolved["train"]["max_steps"] == 40
