@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    REPO, RESULTS, child_env, command_line, deepspeed_command, fmt, fmt_summary, fresh_workspace, launch, machine_line,
+    add_launch_arguments, REPO, child_env, command_line, deepspeed_command, fmt, fmt_summary, fresh_workspace, launch, machine_line,
     markdown_table, model_init, parameter_count, require_success, summarize, write_results,
 )
 
@@ -51,10 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--overlap-steps", type=int, default=2, help="optimizer steps timed while an async save finishes")
     parser.add_argument("--hash-mib", type=int, default=256, help="buffer hashed in memory per algorithm")
-    parser.add_argument("--results-dir", default=str(RESULTS))
-    parser.add_argument("--name", default="checkpoint_cost")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # JSON plan, set by the parent
-    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    add_launch_arguments(parser, "checkpoint_cost")
     return parser.parse_args(argv)
 
 

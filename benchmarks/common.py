@@ -193,6 +193,17 @@ def machine_line(info: dict[str, Any]) -> str:
     )
 
 
+def add_launch_arguments(parser, name: str) -> None:
+    """The options every benchmark that launches its own workers shares: where results go, under which
+    name, and the two its ranks receive (the parent's JSON plan and the launcher's --local_rank)."""
+    import argparse
+
+    parser.add_argument("--results-dir", default=str(RESULTS))
+    parser.add_argument("--name", default=name)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # JSON plan, set by the parent
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+
+
 def fresh_workspace(results_dir: str | Path, name: str) -> tuple[Path, Path, dict[str, Any]]:
     """Every benchmark's start: (results_dir, `<results_dir>/<name>_work` emptied and created, the
     machine's description, printed)."""

@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    REPO, RESULTS, child_env, command_line, deepspeed_command, fmt, fresh_workspace, launch, machine_line, markdown_table,
+    add_launch_arguments, REPO, child_env, command_line, deepspeed_command, fmt, fresh_workspace, launch, machine_line, markdown_table,
     model_init, parameter_count, require_success, write_results,
 )
 
@@ -38,10 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--size", default="small")
     parser.add_argument("--stages", default="0,1,2,3")
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--results-dir", default=str(RESULTS))
-    parser.add_argument("--name", default="memory_scaling")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    add_launch_arguments(parser, "memory_scaling")
     return parser.parse_args(argv)
 
 

@@ -35,7 +35,7 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    RESULTS, child_env, command_line, deepspeed_command, fmt_summary, fresh_workspace, launch, machine_line, markdown_table,
+    add_launch_arguments, child_env, command_line, deepspeed_command, fmt_summary, fresh_workspace, launch, machine_line, markdown_table,
     model_init, parameter_count, prepare_sft_data, require_success, summarize, write_results,
 )
 
@@ -48,10 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-zero3", action="store_true")
-    parser.add_argument("--results-dir", default=str(RESULTS))
-    parser.add_argument("--name", default="rollout_speed")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    add_launch_arguments(parser, "rollout_speed")
     return parser.parse_args(argv)
 
 

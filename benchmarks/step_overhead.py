@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    RESULTS, child_env, command_line, deepspeed_command, fmt, fmt_summary, fresh_workspace, launch, machine_line, markdown_table,
+    add_launch_arguments, child_env, command_line, deepspeed_command, fmt, fmt_summary, fresh_workspace, launch, machine_line, markdown_table,
     model_init, parameter_count, prepare_sft_data, require_success, summarize, write_results,
 )
 
@@ -45,10 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--block", type=int, default=4, help="steps of each variant per round")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps of each variant before the first round")
-    parser.add_argument("--results-dir", default=str(RESULTS))
-    parser.add_argument("--name", default="step_overhead")
-    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # JSON plan, set by the parent
-    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)
+    add_launch_arguments(parser, "step_overhead")
     return parser.parse_args(argv)
 
 
