@@ -217,7 +217,7 @@ class SampledTokenLogprobs:
         gathered = torch.stack(self.steps, dim=1) if self.steps else response_ids.new_zeros(response_ids.shape, dtype=torch.float32)
         if gathered.shape != response_ids.shape:  # generate skipped the processor at some step: a transformers change
             raise RuntimeError(f"sampler log-probs cover {tuple(gathered.shape)} of responses {tuple(response_ids.shape)}; use rollout.behaviour_logprobs: recompute")
-        return gathered * mask
+        return torch.where(mask.bool(), gathered, 0.0)  # not a product: a pad's -inf log-prob times 0 is NaN
 
 
 @torch.no_grad()
@@ -275,12 +275,12 @@ def generate_rollout(
     with forked_rng(seed, device):
         response_ids = sample_responses(engine, prompts, prompt_mask, settings, tokenizer, recorder)
     mask = response_mask(response_ids, tokenizer.eos_token_id)
-    sequences = join_sequences(prompts, prompt_mask, response_ids, mask)
     if not behaviour_logprobs:
         behaviour = None
     elif from_sampler:
         behaviour = recorder.logprobs(response_ids, mask)
     else:
+        sequences = join_sequences(prompts, prompt_mask, response_ids, mask)
         behaviour = response_logprobs(engine, sequences, temperature=settings.temperature, batch_size=logprob_batch_size)
     prompt_texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
     response_texts = [tokenizer.decode(ids[keep.bool()].tolist(), skip_special_tokens=True) for ids, keep in zip(response_ids, mask)]

@@ -152,6 +152,25 @@ def test_sampler_behaviour_logprobs_equal_the_recomputed_ones(model, tokenizer, 
     assert (sampled.behaviour_logprobs[sampled.response_mask == 1] < 0).all()
 
 
+def test_sampler_logprobs_by_hand_and_a_masked_minus_infinity_stays_zero():
+    """The recorder gathers step t's log-softmax at the token seen at step t + 1; a pad whose logit is -inf
+    (a model that masks vocabulary entries) is 0 after masking, not -inf x 0 = NaN."""
+    from astrai.rollout.generation import SampledTokenLogprobs
+
+    recorder = SampledTokenLogprobs(temperature=2.0)
+    step0 = torch.tensor([[0.0, 2.0, float("-inf")], [1.0, 1.0, 1.0]])
+    step1 = torch.tensor([[4.0, 0.0, float("-inf")], [0.0, 0.0, 2.0]])
+    prompt = torch.tensor([[7], [7]])
+    recorder(prompt, step0)
+    recorder(torch.cat([prompt, torch.tensor([[1], [2]])], 1), step1)  # sampled at step 0: tokens 1 and 2
+    responses = torch.tensor([[1, 2], [2, 0]])  # row 0 "samples" the -inf token at step 1, a pad after its EOS
+    logprobs = recorder.logprobs(responses, torch.tensor([[1, 0], [1, 1]]))
+    expected = [[torch.log_softmax(step0[0] / 2, -1)[1].item(), 0.0],
+                [torch.log_softmax(step0[1] / 2, -1)[2].item(), torch.log_softmax(step1[1] / 2, -1)[0].item()]]
+    assert not torch.isnan(logprobs).any()
+    assert logprobs.tolist() == [pytest.approx(row, abs=1e-6) for row in expected]
+
+
 def test_max_length_truncates_and_marks(model, tokenizer):
     prompt_ids, messages = prompts_of(tokenizer, ["1+2="])
     result = generate_rollout(PlainEngine(model), tokenizer, prompt_ids, messages, [{}], settings(group_size=8, max_new_tokens=2), seed=1, policy_version=0, logprob_batch_size=8)
