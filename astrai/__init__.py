@@ -9,7 +9,6 @@ __version__ = "0.1.0"
 # them (a later `os.environ` change is not seen). Without them every `datasets.load_dataset("json", ...)`
 # sends a download-count request to S3 (3 s timeout) from every rank, and a typo'd path could start a
 # hub download. A user's own setting wins.
-for _variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
-    os.environ.setdefault(_variable, "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_UPDATE_DOWNLOAD_COUNTS", "0")
-del _variable

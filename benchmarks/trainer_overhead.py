@@ -40,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from astrai.engine.host_memory import MALLOC_ENVIRONMENT  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     REPO, RESULTS, busy_fraction, child_env, command_line, deepspeed_command, fmt, fmt_summary, launch, machine, machine_line,
     markdown_table, matmul_peak_gflops, mfu, model_init, parameter_count, prepare_sft_data, summarize, write_results,
@@ -50,8 +51,6 @@ ALL_VARIANTS = [
     "torch_w2", "ds_z2_w2", "ds_z2_unpinned_w2", "astrai_w2", "astrai_unpinned_w2",
     "astrai_untuned_w1", "ds_z0_noreduce_tuned_w1", "torch_tuned_w1", "astrai_untuned_w2", "ds_z2_tuned_w2",
 ]
-# The plain loops' processes get AstrAI's malloc thresholds (astrai.engine.host_memory) from the environment.
-TUNED_MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 * 2**20), "MALLOC_TRIM_THRESHOLD_": str(2**30)}
 TRL_VENV = REPO / "benchmarks" / ".venv-trl"
 
 # Ratios reported: (variant, baseline, what it shows).
@@ -133,7 +132,7 @@ def run_variant(variant: str, round_index: int, work: Path, data: dict[str, Path
     out.parent.mkdir(parents=True, exist_ok=True)
     plain = [sys.executable, str(REPO / "benchmarks" / "plain_loop.py")]
     common = ["--model", json.dumps(init), "--tokens", str(data["tokens"]), "--steps", str(args.steps), "--out", str(out)]
-    env = child_env(**TUNED_MALLOC_ENV) if "_tuned" in variant else child_env()
+    env = child_env(**MALLOC_ENVIRONMENT) if "_tuned" in variant else child_env()  # AstrAI's thresholds, from the environment
     kind = "plain"
     if variant.startswith("torch_"):
         command = plain + ["--mode", "torch", "--micro-batch", str(args.micro_batch * world)] + common

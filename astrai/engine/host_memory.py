@@ -28,6 +28,9 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
 MMAP_THRESHOLD_BYTES = 32 * 2**20  # glibc's largest accepted value on 64-bit: blocks up to it come from the heap
 TRIM_THRESHOLD_BYTES = 2**30  # free memory kept at the heap top before it is returned to the kernel
 USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
+# The same thresholds as glibc reads them from the environment at start, for a process AstrAI does not run
+# (benchmarks/trainer_overhead.py gives them to the plain loops it compares against).
+MALLOC_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD_BYTES)}
 OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from astrai.engine.host_memory import _reason_to_leave, tune_malloc
+from astrai.engine.host_memory import USER_SETTINGS, _reason_to_leave, tune_malloc
 from tests.conftest import child_env
 
 # Two patterns of a training step's buffers, with the minor page faults each costs:
@@ -43,7 +43,7 @@ PAGES_PER_MIB = 256
 
 def minor_faults(mode: str) -> tuple[int, int]:
     env = child_env()
-    for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES", "LD_PRELOAD"):
+    for name in (*USER_SETTINGS, "LD_PRELOAD"):
         env.pop(name, None)
     result = subprocess.run([sys.executable, "-c", PATTERNS, mode], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
