@@ -19,7 +19,8 @@ import numpy
 import torch
 
 from astrai.checkpoint import (
-    CheckpointError, CheckpointPublisher, find_latest, read_manifest, require_parts, step_dir_name, verify_checkpoint,
+    CheckpointError, CheckpointPublisher, FileDigest, StreamedFiles, find_latest, read_manifest, require_parts, step_dir_name,
+    verify_checkpoint,
 )
 from astrai.config import dump_job, parse_yaml
 from astrai.engine import all_gather_objects, barrier
@@ -138,12 +139,18 @@ class TrainingCheckpoints:
         state.world_size = run.dist.world_size
         state.rng = all_gather_objects(capture_rng())
 
-        def write(staging: Path) -> None:
+        background = run.job.checkpoint.async_save and not final
+        # DeepSpeed's shards go out in one pass: sent to the disk while serialised and, unless the hashing
+        # is left to the background save (async), hashed on their way out rather than read back later.
+        streamed = StreamedFiles(None if background else self.publisher.hash_algorithm)
+
+        def write(staging: Path) -> dict[str, FileDigest]:
             for name, engine in run.engines.items():
-                engine.save(staging / name)
+                engine.save(staging / name, open_file=streamed.open)
             if run.dist.is_main:
                 (staging / STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
                 (staging / "job.yaml").write_text(dump_job(run.job))
+            return streamed.digests_under(staging)
 
         meta = {
             "train_type": run.job.train.train_type,
@@ -152,7 +159,7 @@ class TrainingCheckpoints:
             "world_size": run.dist.world_size,
             **run.strategy.checkpoint_meta(),
         }
-        if run.job.checkpoint.async_save and not final:
+        if background:
             metrics.flush()  # durable before the checkpoint it describes can appear (the rename comes later)
             self.publisher.publish_async(state.step, write, meta=meta)
             return self.directory / step_dir_name(state.step)

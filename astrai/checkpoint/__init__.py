@@ -13,6 +13,7 @@ from .layout import list_published, parse_step_dir_name, step_dir_name
 from .manifest import MANIFEST_FORMAT, MANIFEST_NAME, MANIFEST_VERSION, Manifest, read_manifest
 from .publisher import CheckpointPublisher, PublishReport
 from .retention import CleanupReport, cleanup_stale
+from .stream import StreamedFile, StreamedFiles
 from .verify import VerifyReport, find_latest, require_parts, verify_checkpoint
 
 __all__ = [
@@ -28,6 +29,8 @@ __all__ = [
     "MANIFEST_VERSION",
     "Manifest",
     "PublishReport",
+    "StreamedFile",
+    "StreamedFiles",
     "VerifyReport",
     "cleanup_stale",
     "find_latest",

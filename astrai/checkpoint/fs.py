@@ -10,8 +10,10 @@ other through module globals for the same reason.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
+import sys
 from pathlib import Path
 
 
@@ -77,3 +79,33 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     fsync_file(temporary)
     rename(temporary, path)
     fsync_dir(path.parent)
+
+
+
+@functools.cache
+def _sync_file_range():
+    """libc's sync_file_range (Linux only), or None. Looked up at first use: ctypes stays out of imports."""
+    if sys.platform != "linux":
+        return None
+    import ctypes
+
+    try:
+        function = ctypes.CDLL(None, use_errno=True).sync_file_range  # the process's own C library
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    function.restype = ctypes.c_int
+    return function
+
+
+_SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start write-out of the range's dirty pages, do not wait for it
+
+
+def start_writeback(descriptor: int, offset: int, length: int) -> bool:
+    """Ask the kernel to start writing `length` bytes at `offset` of an open file to the disk, without
+    waiting for it. Advice only: durability still comes from `fsync_file`, which also reports any
+    write error. Returns whether the request was taken (False where sync_file_range is missing or
+    refused, e.g. by a filesystem without it; the later fsync then does all the work).
+    """
+    function = _sync_file_range()
+    return function is not None and function(descriptor, offset, length, _SYNC_FILE_RANGE_WRITE) == 0

@@ -7,6 +7,7 @@ while hashing large buffers, so a thread pool scales over files on one rank with
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -14,6 +15,8 @@ from pathlib import Path
 
 from . import fs
 from .errors import CheckpointError
+
+logger = logging.getLogger(__name__)
 
 HASH_ALGORITHMS = ("sha256", "blake2b", "xxh3_128")
 CHUNK_BYTES = 8 * 1024 * 1024
@@ -83,18 +86,39 @@ def _digest(path: Path, algorithm: str) -> FileDigest:
     return FileDigest(size=size, digest=hasher.hexdigest())
 
 
+def confirm_known(path: Path, known: FileDigest, algorithm: str, *, fsync: bool = False) -> FileDigest:
+    """A file hashed while it was written (`stream.StreamedFile`): fsynced (with `fsync`), and its digest
+    kept when the file still has the size that was hashed. Any other size means something wrote to it
+    since, so it is hashed again from disk (with a warning): the manifest describes the bytes on disk."""
+    if fsync:
+        fs.fsync_file(path)
+    size = os.stat(path).st_size
+    if size == known.size:
+        return known
+    logger.warning("%s changed size after it was hashed while written (%d -> %d bytes); hashing it again", path, known.size, size)
+    return _digest(path, algorithm)
+
+
 def hash_files(
-    root: Path, relative_paths: list[str], algorithm: str, *, threads: int, fsync: bool = False
+    root: Path, relative_paths: list[str], algorithm: str, *, threads: int, fsync: bool = False,
+    known: dict[str, FileDigest] | None = None,
 ) -> dict[str, FileDigest]:
     """Digests of `root/<relative path>` for each path, hashed `threads` at a time.
 
+    `known`: digests (with `algorithm`) of files hashed while they were written; those are only
+    fsynced and their size checked (`confirm_known`), not read back.
     The first failure (in the order of `relative_paths`) is raised after running work finishes.
     """
     new_hasher(algorithm)  # fail on an unknown algorithm before starting threads
     if not relative_paths:
         return {}
-    root = Path(root)
+    root, known = Path(root), known or {}
+
+    def one(relative: str) -> FileDigest:
+        if relative in known:
+            return confirm_known(root / relative, known[relative], algorithm, fsync=fsync)
+        return hash_file(root / relative, algorithm, fsync=fsync)
+
     workers = max(1, min(threads, len(relative_paths)))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="checkpoint-hash") as pool:
-        digests = pool.map(lambda relative: hash_file(root / relative, algorithm, fsync=fsync), relative_paths)
-        return dict(zip(relative_paths, digests))
+        return dict(zip(relative_paths, pool.map(one, relative_paths)))

@@ -7,7 +7,9 @@ so every rank learns every other rank's failure and all raise the same Checkpoin
 2. shared-storage   every other rank must see the marker: checkpoint storage must be shared
 3. write            every rank runs the caller's `write(staging_dir)`
 4. gather-listing   every rank lists the staging files; all listings must agree
-5. hash             file i of the sorted listing is fsynced and hashed by rank i % world_size
+5. hash             every file is fsynced and hashed: a file the write callback hashed while writing it
+                    (`stream.StreamedFiles`) by the rank that wrote it, without reading it back; the
+                    others, file i of the rest of the sorted listing, by rank i % world_size
 6. publish          rank 0 writes manifest.json last, fsyncs directories, runs `pre_publish`,
                     renames staging -> step_<N> (one atomic rename) and fsyncs the parent
 Then rank 0 applies retention (`keep_last`).
@@ -34,14 +36,14 @@ import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from . import fs
 from .collective import PhaseStalledError, open_group
 from .errors import CheckpointError
-from .hashing import default_hash_threads, hash_files, new_hasher
+from .hashing import FileDigest, default_hash_threads, hash_files, new_hasher
 from .layout import retired_dir_name, staging_dir_name, step_dir_name
 from .manifest import MANIFEST_NAME, Manifest, is_safe_relative_path, write_manifest
 from .retention import CleanupReport, apply_retention, cleanup_stale, delete_retired
@@ -74,16 +76,23 @@ class PublishReport:
     seconds: float
     removed: tuple[Path, ...] = ()
     blocked_s: float | None = None  # how long the caller waited (publish_async: phases 1-4 only; publish: all of `seconds`)
+    hashed_while_written: int = 0  # files whose digests came from the write callback (not read back)
 
 
 @dataclass
 class _Save:
-    """Per-call state: the exchange group, the step, and the staging directory while it exists."""
+    """Per-call state: the exchange group, the step, the staging directory while it exists, its agreed
+    listing, and per rank the digests of the files that rank hashed while writing them."""
 
     group: Any
     step: int
     context: str
     staging: Path | None = None
+    listing: list[str] = field(default_factory=list)
+    known: list[dict[str, FileDigest]] = field(default_factory=list)
+
+
+WriteCallback = Callable[[Path], "Mapping[str, FileDigest] | None"]
 
 
 class _Background:
@@ -246,7 +255,7 @@ class CheckpointPublisher:
     def publish(
         self,
         step: int,
-        write: Callable[[Path], None],
+        write: WriteCallback,
         *,
         meta: dict[str, Any] | None = None,
         pre_publish: Callable[[], None] | None = None,
@@ -256,7 +265,10 @@ class CheckpointPublisher:
         Returns a PublishReport: path, step, files and bytes agree on every rank; `removed`
         (retention) is filled on rank 0 only.
 
-        `write(staging_dir)` runs on every rank and writes that rank's files under staging_dir.
+        `write(staging_dir)` runs on every rank and writes that rank's files under staging_dir. It may
+        return the digests (made with this publisher's `hash_algorithm`, keyed by path relative to
+        staging_dir) of files it hashed while writing them, e.g. `StreamedFiles.digests_under(staging_dir)`:
+        those are fsynced by this rank and size-checked instead of read back and hashed.
         `meta` (JSON-serializable, rank 0's is used) goes into the manifest as is.
         `pre_publish()` runs on rank 0 after the manifest is durable, just before the publishing
         rename (the trainer flushes and fsyncs metrics.jsonl there); its failure fails the save.
@@ -264,10 +276,10 @@ class CheckpointPublisher:
         """
         self.wait()
         started = time.monotonic()
-        save, listing = self._write_staging(step, write)
-        return self._finish(save, listing, meta or {}, pre_publish, started, blocked=True)
+        save = self._write_staging(step, write)
+        return self._finish(save, meta or {}, pre_publish, started, blocked=True)
 
-    def publish_async(self, step: int, write: Callable[[Path], None], *, meta: dict[str, Any] | None = None) -> float:
+    def publish_async(self, step: int, write: WriteCallback, *, meta: dict[str, Any] | None = None) -> float:
         """As `publish`, but return once `write` has run on every rank and the staging listing agrees;
         hashing, fsync, the manifest, the rename and retention go on in a background thread.
 
@@ -277,31 +289,32 @@ class CheckpointPublisher:
         """
         self.wait()
         started = time.monotonic()
-        save, listing = self._write_staging(step, write)
+        save = self._write_staging(step, write)
         blocked = time.monotonic() - started
         self._background = _Background(
-            step, lambda: self._finish(save, listing, meta or {}, None, started, blocked=False, blocked_s=blocked)
+            step, lambda: self._finish(save, meta or {}, None, started, blocked=False, blocked_s=blocked)
         )
         return blocked
 
-    def _write_staging(self, step: int, write: Callable[[Path], None]) -> tuple[_Save, list[str]]:
+    def _write_staging(self, step: int, write: WriteCallback) -> _Save:
         """Phases 1-4 (staging, shared storage, write, agreed listing); on failure the staging is removed."""
         group = self._exchange_group()
         save = _Save(group=group, step=step, context=f"checkpoint save step {step}")
         try:
-            return save, self._stage(save, write)
+            self._stage(save, write)
+            return save
         except CheckpointError:
             self._remove_staging(save)
             raise
 
     def _finish(
-        self, save: _Save, listing: list[str], meta: dict[str, Any], pre_publish: Callable[[], None] | None,
+        self, save: _Save, meta: dict[str, Any], pre_publish: Callable[[], None] | None,
         started: float, *, blocked: bool, blocked_s: float | None = None,
     ) -> PublishReport:
         """Phases 5-6 (hash + fsync, manifest, rename) and retention: the report, or every rank raises."""
         group = save.group
         try:
-            manifest = self._hash(save, listing, meta)
+            manifest = self._hash(save, meta)
             paths = self._phase(
                 save, "publish", lambda: self._install(save, manifest, pre_publish) if group.rank == 0 else None
             )
@@ -314,16 +327,19 @@ class CheckpointPublisher:
         report = PublishReport(
             path=published, step=save.step, files=len(manifest.files), bytes=manifest.total_bytes,
             seconds=seconds, removed=removed, blocked_s=seconds if blocked else blocked_s,
+            hashed_while_written=sum(len(digests) for digests in save.known),
         )
         if group.rank == 0:
             logger.info(
-                "published %s: %d files, %.1f MiB in %.2f s%s", published, report.files, report.bytes / 2**20,
-                report.seconds, "" if blocked else f" (training waited {report.blocked_s:.2f} s of it)",
+                "published %s: %d files (%d hashed while written), %.1f MiB in %.2f s%s", published, report.files,
+                report.hashed_while_written, report.bytes / 2**20, report.seconds,
+                "" if blocked else f" (training waited {report.blocked_s:.2f} s of it)",
             )
         return report
 
-    def _stage(self, save: _Save, write: Callable[[Path], None]) -> list[str]:
-        """Phases 1-4: a complete staging directory and its file listing, the same on every rank."""
+    def _stage(self, save: _Save, write: WriteCallback) -> None:
+        """Phases 1-4: a complete staging directory, its file listing (the same on every rank) and the
+        digests each rank's write callback reported, into `save`."""
         group, rank = save.group, save.group.rank
         values = self._phase(save, "create-staging", lambda: self._create_staging(save))
         for other_rank, (other_step, *_ignored) in enumerate(values):
@@ -340,15 +356,17 @@ class CheckpointPublisher:
                 save, "shared-storage", lambda: None if rank == 0 else self._await_marker(marker, token, writer_host)
             )
 
-        def run_write() -> None:
+        def run_write() -> dict[str, FileDigest]:
             if rank == 0 and group.world_size > 1:
                 fs.remove_file(staging / MARKER_NAME)  # every rank has seen it; it must not be hashed
-            write(staging)
+            known = write(staging)
             if rank == 0 and os.path.lexists(staging / MANIFEST_NAME):
                 raise CheckpointError("the write callback must not create manifest.json (the publisher writes it)")
+            return dict(known or {})
 
-        self._phase(save, "write", run_write)
-        listing = self._agreed_listing(save, staging)
+        save.known = self._phase(save, "write", run_write)
+        listing = save.listing = self._agreed_listing(save, staging)
+        self._check_known(save)
         missing = [
             part for part in self.parts if not any(path == part or path.startswith(part + "/") for path in listing)
         ]
@@ -357,14 +375,35 @@ class CheckpointPublisher:
                 f"{save.context}: the write callback produced no files for the part(s) {', '.join(missing)} "
                 "this checkpoint must contain; nothing was published"
             )
-        return listing
 
-    def _hash(self, save: _Save, listing: list[str], meta: dict[str, Any]) -> Manifest:
-        """Phase 5: file i of the listing is fsynced and hashed by rank i % world size; the manifest of them all."""
-        share = listing[save.group.rank :: save.group.world_size]
+    def _check_known(self, save: _Save) -> None:
+        """The reported digests name files of the agreed listing, each reported by one rank only."""
+        listed, reported_by = set(save.listing), {}
+        for rank, known in enumerate(save.known):
+            for path, digest in known.items():
+                if path not in listed or not isinstance(digest, FileDigest):
+                    raise CheckpointError(
+                        f"{save.context}: the write callback on rank {rank} reported a digest for {path!r}, "
+                        "which is not a file of the staging directory; nothing was published"
+                    )
+                if path in reported_by:
+                    raise CheckpointError(
+                        f"{save.context}: ranks {reported_by[path]} and {rank} both report writing {path!r}; "
+                        "nothing was published"
+                    )
+                reported_by[path] = rank
+
+    def _hash(self, save: _Save, meta: dict[str, Any]) -> Manifest:
+        """Phase 5: every file fsynced and hashed (see the module docstring for who does which); the manifest."""
+        rank, world_size = save.group.rank, save.group.world_size
+        known_anywhere = {path for known in save.known for path in known}
+        own_known = save.known[rank]
+        share = list(own_known) + [path for path in save.listing if path not in known_anywhere][rank::world_size]
         digest_maps = self._phase(
             save, "hash",
-            lambda: hash_files(save.staging, share, self.hash_algorithm, threads=self.hash_threads, fsync=True),
+            lambda: hash_files(
+                save.staging, share, self.hash_algorithm, threads=self.hash_threads, fsync=True, known=own_known
+            ),
         )
         files = {path: digest for digests in digest_maps for path, digest in digests.items()}
         return Manifest(

@@ -8,6 +8,7 @@ LR schedule and clipping.
 - `host_memory.py`: glibc malloc thresholds that keep each step's buffers instead of faulting them in again.
 - `ds_config.py`: one engine's DeepSpeed config, LR schedule and weight-decay groups.
 - `engines.py`: `Engine`, `FrozenEngine`, partitioned loading, consolidated weights.
+- `streamed_writes.py`: an engine's checkpoint files serialised into the caller's file objects.
 """
 
 from astrai.engine.distributed import (

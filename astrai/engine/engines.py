@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from astrai.engine.distributed import CollectiveStalledError
 from astrai.engine.ds_config import parameter_groups
+from astrai.engine.streamed_writes import OpenFile, streamed_writes
 
 logger = logging.getLogger("astrai.engine")
 
@@ -96,13 +97,16 @@ class Engine:
             norm = self._stage0_grad_norm
         return None if norm is None else float(norm)
 
-    def save(self, folder: Path) -> None:
+    def save(self, folder: Path, *, open_file: OpenFile | None = None) -> None:
         """DeepSpeed's own files (every rank's shards) under `folder`; no `latest` file (the publisher
         decides what is published). ZeRO-0 files do not name the optimizer's parameters (ZeRO files
-        do): their names per optimizer group are added, so a topology change can read them."""
+        do): their names per optimizer group are added, so a topology change can read them.
+        `open_file(path)`: a writable file object DeepSpeed's shards are serialised into instead of
+        the path itself (`streamed_writes`; the publisher's `StreamedFiles.open`)."""
         names = self._parameter_names_by_group() if self.zero_stage == 0 else None
         client_state = {PARAMETER_NAMES_KEY: names} if names else {}
-        self._engine.save_checkpoint(str(folder), tag=DS_TAG, client_state=client_state, save_latest=False)
+        with streamed_writes(self._engine, open_file):
+            self._engine.save_checkpoint(str(folder), tag=DS_TAG, client_state=client_state, save_latest=False)
 
     def _parameter_names_by_group(self) -> list[list[str]] | None:
         """Names of the module's parameters per optimizer group, in the optimizer's order (ZeRO-0)."""

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch.distributed as distributed
 
-from astrai.checkpoint import CheckpointError, CheckpointPublisher
+import astrai.checkpoint.publisher as publisher_module
+from astrai.checkpoint import CheckpointError, CheckpointPublisher, StreamedFiles
 
 
 def rank_writer(rank: int, fail_on_rank: int | None = None, exit_on_rank: int | None = None):
@@ -58,12 +59,44 @@ def divergent_writer(rank: int, root: Path):
     return write
 
 
+def streamed_writer(rank: int, claim_rank_zeros: bool = False):
+    """(g) rank_writer's files plus policy/streamed_<R>.bin written through StreamedFiles, whose digests it
+    returns; with `claim_rank_zeros`, rank 1 also reports rank 0's streamed file as one it wrote."""
+    writer, files = rank_writer(rank), StreamedFiles("sha256")
+
+    def write(staging: Path) -> dict:
+        writer(staging)
+        with files.open(staging / "policy" / f"streamed_{rank}.bin") as handle:
+            handle.write(os.urandom(200 * 1024 + rank))
+        digests = files.digests_under(staging)
+        if claim_rank_zeros and rank == 1:
+            digests["policy/streamed_0.bin"] = digests["policy/streamed_1.bin"]
+        return digests
+
+    return write
+
+
+def recording_hash_shares(shares: list) -> None:
+    """Record, per hash phase on this rank, which files it fsynced only (their digests known) and which it read."""
+    original = publisher_module.hash_files
+
+    def recording(root, paths, algorithm, *, known=None, **kwargs):
+        known = known or {}
+        shares.append({"known": sorted(path for path in paths if path in known), "read": sorted(path for path in paths if path not in known)})
+        return original(root, paths, algorithm, known=known, **kwargs)
+
+    publisher_module.hash_files = recording
+
+
 def attempt(action) -> dict:
     """Run one publish; report its path or its error (message, type, type of the chained cause)."""
     started = time.monotonic()
     try:
         report = action()
-        return {"ok": True, "path": str(report.path), "files": report.files, "seconds": time.monotonic() - started}
+        return {
+            "ok": True, "path": str(report.path), "files": report.files, "hashed_while_written": report.hashed_while_written,
+            "seconds": time.monotonic() - started,
+        }
     except CheckpointError as error:
         return {
             "ok": False, "error": str(error), "type": type(error).__name__,
@@ -74,7 +107,8 @@ def attempt(action) -> dict:
 
 def suite(rank: int, root: Path) -> dict:
     """cleanup_stale, (a) normal publish, (b) failing write on rank 1, (c) steps disagree,
-    (e) storage not shared, (f) ranks list different files, then a publish again on the same group."""
+    (e) storage not shared, (f) ranks list different files, (g) files hashed while written, then a publish
+    again on the same group."""
     group = distributed.new_group(backend="gloo", timeout=timedelta(seconds=30))
     publisher = CheckpointPublisher(root / "checkpoints", parts=["policy"], timeout_s=30, group=group)
     if rank == 0:  # left over by an earlier crash; cleanup_stale (rank 0 works, both ranks wait) removes it
@@ -90,6 +124,11 @@ def suite(rank: int, root: Path) -> dict:
     os.chdir(root / f"node{rank}")
     results["listings_differ"] = attempt(lambda: publisher.publish(60, divergent))
     os.chdir(root)
+    shares = []
+    recording_hash_shares(shares)
+    results["streamed"] = attempt(lambda: publisher.publish(70, streamed_writer(rank)))
+    results["streamed_shares"] = shares
+    results["claimed_twice"] = attempt(lambda: publisher.publish(80, streamed_writer(rank, claim_rank_zeros=True)))
     results["after_failures"] = attempt(lambda: publisher.publish(50, rank_writer(rank)))
     return results
 

@@ -97,9 +97,21 @@ def test_two_ranks_publish_and_fail_together(tmp_path):
         assert "checkpoint save step 60: rank 1 sees different files than rank 0 in the staging directory" in outcome["error"]
         assert "missing [], extra ['policy/node_local']" in outcome["error"] and "nothing was published" in outcome["error"]
 
+    # (g) each rank's file hashed while written: fsynced and size-checked by the rank that wrote it, not read
+    # back; the other files shared out as before. Two ranks reporting one file abort the save.
+    streamed = [result["streamed"] for result in results]
+    assert all(outcome["ok"] and outcome["hashed_while_written"] == 2 for outcome in streamed), streamed
+    shares = [result["streamed_shares"] for result in results]
+    assert [share[0]["known"] for share in shares] == [["policy/streamed_0.bin"], ["policy/streamed_1.bin"]]
+    read = sorted(path for share in shares for path in share[0]["read"])
+    assert read == ["job.yaml", "policy/rank_0.bin", "policy/rank_1.bin", "trainer_state.json"]
+    assert all(len(share[0]["read"]) == 2 for share in shares)
+    for outcome in (result["claimed_twice"] for result in results):
+        assert not outcome["ok"] and "ranks 0 and 1 both report writing 'policy/streamed_0.bin'" in outcome["error"]
+
     # The group survived the failures; failed saves left nothing behind.
     assert all(result["after_failures"]["ok"] for result in results)
-    assert [path.name for _, path in list_published(checkpoints)] == ["step_00000010", "step_00000050"]
+    assert [path.name for _, path in list_published(checkpoints)] == ["step_00000010", "step_00000050", "step_00000070"]
     assert list_hidden(checkpoints) == [] and not (tmp_path / "node-local-disk" / "checkpoints").exists()
     for _, path in list_published(checkpoints):
         verify_checkpoint(path)

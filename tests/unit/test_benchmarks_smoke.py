@@ -68,6 +68,7 @@ def test_checkpoint_cost_smoke(tmp_path):
     result = run_benchmark("checkpoint_cost.py", tmp_path, "--sizes", "tiny", "--stages", "2", "--repeats", "1", "--hash-mib", "4", "--ranks", "1")
     case = result["cases"][0]
     assert case["publish/plain"]["median"] > 0 and result["hashing_gbps"]["sha256"] > 0
+    assert case["publish/publish_reread"]["median"] > 0 and case["publish_reread_hash_phase_s"]["median"] > 0
     assert case["publish_async/plain"]["median"] > 0 and case["publish_async_durable/plain"]["median"] >= case["publish_async/plain"]["median"]
 
 

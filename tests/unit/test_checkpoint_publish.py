@@ -12,6 +12,7 @@ import pytest
 from astrai.checkpoint import (
     CheckpointError,
     CheckpointPublisher,
+    StreamedFiles,
     cleanup_stale,
     find_latest,
     read_manifest,
@@ -472,3 +473,61 @@ def test_a_background_failure_surfaces_at_the_next_save(tmp_path, recorder):
     with pytest.raises(CheckpointError, match=r"background checkpoint save step 1 failed.*out of disk space"):
         publisher.publish_async(2, payload_writer("2"))
     assert published_names(tmp_path) == [] and hidden_names(tmp_path) == []
+
+
+def streamed_writer(files, *, after=None):
+    """payload_writer's files, the two shards written through `files` (StreamedFiles); returns their digests."""
+
+    def write(staging: Path):
+        (staging / "policy" / "zero").mkdir(parents=True)
+        for relative, text in (("policy/mp_rank_00_model_states.pt", b"model" * 5000), ("policy/zero/optim_states.pt", b"optim" * 9000)):
+            with files.open(staging / relative) as handle:
+                handle.write(text)
+        (staging / "job.yaml").write_text("tag: streamed\n")
+        if after is not None:
+            after(staging)
+        return files.digests_under(staging)
+
+    return write
+
+
+def test_files_hashed_while_written_are_fsynced_not_read_back(tmp_path, recorder, monkeypatch):
+    import astrai.checkpoint.hashing as hashing
+
+    read_back = []
+    real_digest = hashing._digest
+    monkeypatch.setattr(hashing, "_digest", lambda path, algorithm: read_back.append(Path(path).name) or real_digest(path, algorithm))
+    report = CheckpointPublisher(tmp_path, parts=["policy"]).publish(4, streamed_writer(StreamedFiles("sha256")))
+    assert report.files == 3 and report.hashed_while_written == 2
+    assert read_back == ["job.yaml"]  # the shards' digests came from their writes
+    manifest = read_manifest(report.path)
+    assert manifest.files["policy/zero/optim_states.pt"].size == 5 * 9000
+    verify_checkpoint(report.path)  # re-reads every file: the streamed digests are those of the bytes on disk
+    [make] = [call for call in recorder.calls if call[0] == "make_dir"]
+    staging = Path(make[1])
+    manifest_rename = recorder.index("rename", staging / "manifest.json.tmp", staging / MANIFEST_NAME)
+    for relative in manifest.files:  # durable before the manifest, streamed or not
+        assert recorder.index("fsync_file", staging / relative) < manifest_rename
+
+
+def test_a_streamed_file_changed_afterwards_is_hashed_again(tmp_path, caplog):
+    def append(staging: Path) -> None:
+        with open(staging / "policy" / "zero" / "optim_states.pt", "ab") as handle:
+            handle.write(b"late")
+
+    report = CheckpointPublisher(tmp_path).publish(5, streamed_writer(StreamedFiles("sha256"), after=append))
+    assert read_manifest(report.path).files["policy/zero/optim_states.pt"].size == 5 * 9000 + 4
+    verify_checkpoint(report.path)
+    assert "changed size after it was hashed while written" in caplog.text
+
+
+def test_a_digest_for_a_file_not_in_the_staging_directory_fails_the_save(tmp_path):
+    files = StreamedFiles("sha256")
+    previous = CheckpointPublisher(tmp_path).publish(1, payload_writer()).path
+
+    def remove(staging: Path) -> None:
+        (staging / "policy" / "mp_rank_00_model_states.pt").unlink()
+
+    with pytest.raises(CheckpointError, match="reported a digest for 'policy/mp_rank_00_model_states.pt'.*nothing was published"):
+        CheckpointPublisher(tmp_path).publish(2, streamed_writer(files, after=remove))
+    assert published_names(tmp_path) == [previous.name] and hidden_names(tmp_path) == []
