@@ -94,6 +94,16 @@ def test_a_failed_write_leaves_no_digest(tmp_path):
         handle.write(b"z")
 
 
+def test_bytes_that_cannot_be_read_back_fail_the_close(tmp_path):
+    # The hash follows the writer by reading the file back: a file cut short under it is an error, not a digest.
+    handle = StreamedFile(tmp_path / "f.bin", "sha256", writeback_bytes=32 * KIB)
+    handle.write(os.urandom(100 * KIB))
+    os.truncate(tmp_path / "f.bin", 0)
+    with pytest.raises(OSError, match="could not be read back"):
+        handle.close()
+    assert handle.closed and handle.digest is None
+
+
 def test_digests_under_a_root_are_relative_posix_paths(tmp_path):
     files = StreamedFiles("sha256")
     (tmp_path / "staging" / "policy" / "state").mkdir(parents=True)
