@@ -9,9 +9,10 @@ Launch 1 (1 rank, methods alternated in one process, `--repeats` rounds):
     generate          model.generate(do_sample, KV cache), the same sampling knobs as AstrAI
     generate_nocache  the same with use_cache=False (what the cache is worth)
     astrai_sampling   AstrAI's sampling step alone (sample_responses: generate on the engine's module)
-    astrai_rollout    generate_rollout: sampling + behaviour log-probs recomputed by the engine forward
-    astrai_rollout_sampler  generate_rollout with rollout.behaviour_logprobs: sampler (log-probs kept from
-                      the sampling logits, no extra forward)
+    astrai_rollout    generate_rollout as a job runs it by default (rollout.behaviour_logprobs: auto, which
+                      in fp32 keeps the behaviour log-probs from the sampling logits: no extra forward)
+    astrai_rollout_recompute  generate_rollout with rollout.behaviour_logprobs: recompute (sampling, then
+                      the behaviour log-probs recomputed by a forward of the engine; auto's choice in bf16)
 Launch 2 (2 ranks, ZeRO-3):
     zero3_astrai_copy         AstrAI's default sampling step (rollout.zero3_generation: copy): a plain copy
                               allocated per rollout and filled one gathered parameter at a time
@@ -105,7 +106,7 @@ def worker(plan: dict) -> int:
         torch.manual_seed(1234 + rank)
         return model.generate(input_ids=ids, attention_mask=mask, generation_config=generation, synced_gpus=synced)[:, ids.shape[1]:]
 
-    def astrai_rollout(source: str = "recompute"):
+    def astrai_rollout(source: str = "auto"):
         result = generate_rollout(engine, tokenizer, prompt_ids, [[] for _ in prompt_ids], [{} for _ in prompt_ids],
                                   SimpleNamespace(**vars(settings), behaviour_logprobs=source),
                                   seed=1234 + rank, policy_version=0, logprob_batch_size=plan["prompts"])
@@ -137,7 +138,7 @@ def worker(plan: dict) -> int:
             "generate_nocache": lambda: plain_generate(plain_model, False),
             "astrai_sampling": lambda: sample_responses(engine, ids, mask, settings, tokenizer),
             "astrai_rollout": astrai_rollout,
-            "astrai_rollout_sampler": lambda: astrai_rollout("sampler"),
+            "astrai_rollout_recompute": lambda: astrai_rollout("recompute"),
         }
     names = list(methods)
     for name in names:  # warm-up of each method (allocations, first-call paths); not measured
@@ -164,9 +165,10 @@ def worker(plan: dict) -> int:
 
 
 RATIOS = [
-    ("astrai_rollout", "generate", "AstrAI rollout (sampling + behaviour log-probs) vs generate with KV cache (target >= 1.0)"),
-    ("astrai_rollout_sampler", "generate", "AstrAI rollout with rollout.behaviour_logprobs: sampler vs generate with KV cache (target >= 1.0)"),
-    ("astrai_rollout_sampler", "astrai_rollout", "behaviour log-probs kept from the sampler vs recomputed by a forward"),
+    ("astrai_rollout", "generate", "AstrAI rollout (sampling + behaviour log-probs; the default, auto: sampler in fp32) vs generate with KV cache (target >= 1.0)"),
+    ("astrai_rollout_recompute", "generate", "AstrAI rollout with rollout.behaviour_logprobs: recompute vs generate with KV cache"),
+    ("astrai_rollout", "astrai_rollout_recompute", "behaviour log-probs kept from the sampler vs recomputed by a forward"),
+    ("astrai_rollout", "astrai_sampling", "AstrAI rollout (default) vs its sampling alone: the cost of keeping the log-probs"),
     ("astrai_sampling", "generate", "AstrAI sampling alone vs generate with KV cache"),
     ("generate_nocache", "generate", "generate without KV cache vs with"),
     ("zero3_gather_once", "zero3_gather_per_forward", "ZeRO-3, 2 ranks: sampling with one gather per rollout vs per-module gathers at every forward"),

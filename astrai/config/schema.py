@@ -212,10 +212,11 @@ class RolloutConfig(Section):
         "weights per rank while sampling; ~5x faster on a CPU); `gather` samples from the partitioned module inside one gather (same peak "
         "memory, DeepSpeed's hooks at every forward)."
     )
-    behaviour_logprobs: Literal["recompute", "sampler"] = Field(
-        "recompute", description="Where the ratio's behaviour log-probs come from: `recompute`: one forward of the policy engine after sampling, the "
+    behaviour_logprobs: Literal["auto", "recompute", "sampler"] = Field(
+        "auto", description="Where the ratio's behaviour log-probs come from: `recompute`: one forward of the policy engine after sampling, the "
         "loss's own call, so the first ratio is exactly 1; `sampler`: kept from the sampling logits at each step (no extra forward: 1.1x the "
-        "rollout tokens/s in benchmarks/rollout_speed.py; the KV-cached kernels differ from the full forward by ~1e-6 in fp32, ~1e-2 in bf16)."
+        "rollout tokens/s in benchmarks/rollout_speed.py; the KV-cached kernels differ from the full forward by ~1e-6 in fp32, ~1e-2 in bf16); "
+        "`auto`: `sampler` when the policy trains in fp32, `recompute` in bf16/fp16."
     )
 
 

@@ -16,6 +16,7 @@ shared by TRL, OpenRLHF and verl; the defaults (top_p 1, top_k 0) have none.
 log-prob of the sampled token under the sampler's own raw logits (full, temperature-scaled softmax,
 one step's [N, vocab] held at a time): 1.1x the rollout's tokens/s on a CPU, at the price of the cached-vs-full kernel
 difference entering the first ratio (about 1e-6 in fp32; about 1e-2 in bf16, where recompute is the safe choice).
+The default, `auto`, takes exactly that trade: `sampler` when the policy trains in fp32, `recompute` in bf16/fp16.
 
 ZeRO-3 (`rollout.zero3_generation`): by default generation runs in a plain, hook-free copy of the
 policy that `Engine.generation_module()` allocates for the rollout and fills one gathered parameter
@@ -173,6 +174,15 @@ def forked_rng(seed: int, device: torch.device):
         yield
 
 
+def behaviour_logprobs_source(setting: str, precision: str | None) -> str:
+    """`rollout.behaviour_logprobs` resolved for a policy training in `precision` (None: unknown): `auto` is
+    `sampler` in fp32, where cached generation and the full forward agree to ~1e-6 so the extra forward
+    buys nothing, and `recompute` otherwise (bf16/fp16 kernels differ by ~1e-2)."""
+    if setting != "auto":
+        return setting
+    return "sampler" if precision == "fp32" else "recompute"
+
+
 def sampling_config(settings, tokenizer):
     """A GenerationConfig with every sampling knob set (nothing inherited from the model's defaults)."""
     from transformers import GenerationConfig
@@ -258,7 +268,8 @@ def generate_rollout(
     behaviour_logprobs: bool = True,
 ) -> RolloutResult:
     """Sample `settings.group_size` responses to each prompt and take their behaviour log-probs (recomputed
-    by the engine's forward, or kept from the sampler with `settings.behaviour_logprobs: sampler`).
+    by the engine's forward, or kept from the sampler: `settings.behaviour_logprobs`, see
+    `behaviour_logprobs_source`).
 
     engine: the policy `Engine` (or anything with `.module`, `.zero_stage`, `.generation_module()`
     and a forward); prompt_ids: this rank's prompts as token lists (chat template applied);
@@ -270,7 +281,8 @@ def generate_rollout(
     device = engine.device
     repeated = [list(ids) for ids in prompt_ids for _ in range(group)]
     prompts, prompt_mask = (tensor.to(device) for tensor in left_pad(repeated, tokenizer.pad_token_id))
-    from_sampler = behaviour_logprobs and getattr(settings, "behaviour_logprobs", "recompute") == "sampler"
+    source = behaviour_logprobs_source(getattr(settings, "behaviour_logprobs", "recompute"), getattr(engine, "precision", None))
+    from_sampler = behaviour_logprobs and source == "sampler"
     recorder = SampledTokenLogprobs(settings.temperature) if from_sampler else None
     with forked_rng(seed, device):
         response_ids = sample_responses(engine, prompts, prompt_mask, settings, tokenizer, recorder)

@@ -22,6 +22,7 @@ from astrai.data import render_rows
 from astrai.data.sampler import ShardedOrder
 from astrai.rollout import RolloutResult, build_reward, generate_rollout, reward_inputs, sampling_seed
 from astrai.algos.masked import masked_aggregate
+from astrai.rollout.generation import behaviour_logprobs_source
 from astrai.rollout.prompts import decode_prompt_row, prompt_batch
 from astrai.strategies.base import StepOutput, Strategy
 from astrai.strategies.reference import build_reference
@@ -89,6 +90,12 @@ class OnlineStrategy(Strategy):
             "%s: %d prompts x %d responses per rank per step, %d optimizer steps per step, reward %s",
             self.name, self.geometry.prompts_per_rank, self.job.rollout.group_size, updates, ", ".join(self.reward.names),
         )
+        if self.needs_behaviour_logprobs():
+            setting, precision = self.job.rollout.behaviour_logprobs, run.engines["policy"].precision
+            logger.info(
+                "behaviour log-probs: %s (rollout.behaviour_logprobs: %s, policy in %s)",
+                behaviour_logprobs_source(setting, precision), setting, precision,
+            )
 
     def build_reference(self, run) -> None:
         """The frozen reference (as `dpo`'s): `model.reference_path`, else the policy's starting weights;

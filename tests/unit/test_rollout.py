@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from astrai.data.render import RowError
-from astrai.rollout.generation import generate_rollout, rollout_metrics, sampling_seed
+from astrai.rollout.generation import behaviour_logprobs_source, generate_rollout, rollout_metrics, sampling_seed
 from astrai.rollout.prompts import decode_prompt_row, prompt_batch, render_prompt
 from astrai.rollout.sequences import join_sequences, left_pad, position_ids, response_logprobs, response_mask, truncated_rows
 from tests.unit.rollout_fixtures import PlainEngine, tiny_model, tiny_tokenizer
@@ -150,6 +150,31 @@ def test_sampler_behaviour_logprobs_equal_the_recomputed_ones(model, tokenizer, 
     assert torch.allclose(sampled.behaviour_logprobs, recomputed.behaviour_logprobs, atol=ATOL)
     assert (sampled.behaviour_logprobs[sampled.response_mask == 0] == 0).all()
     assert (sampled.behaviour_logprobs[sampled.response_mask == 1] < 0).all()
+
+
+def test_auto_behaviour_logprobs_come_from_the_sampler_in_fp32_only(model, tokenizer):
+    """`auto` (the default): fp32 keeps the sampler's log-probs (no forward of the engine after sampling);
+    bf16/fp16, or an engine that does not say, recompute them; an explicit choice is kept whatever the precision."""
+    assert [behaviour_logprobs_source("auto", precision) for precision in ("fp32", "bf16", "fp16", None)] == ["sampler", "recompute", "recompute", "recompute"]
+    assert behaviour_logprobs_source("recompute", "fp32") == "recompute" and behaviour_logprobs_source("sampler", "bf16") == "sampler"
+    prompt_ids, messages = prompts_of(tokenizer, ["1+2=", "7-3="])
+
+    class CountingEngine(PlainEngine):
+        forwards = 0
+
+        def __call__(self, **inputs):  # the recompute forward; sampling runs on generation_module()
+            CountingEngine.forwards += 1
+            return super().__call__(**inputs)
+
+    results = {}
+    for precision in ("fp32", "bf16"):
+        engine, CountingEngine.forwards = CountingEngine(model), 0
+        engine.precision = precision  # the label only: the model computes in fp32 either way
+        results[precision] = generate_rollout(engine, tokenizer, prompt_ids, messages, [{}, {}], settings(behaviour_logprobs="auto", max_new_tokens=8),
+                                              seed=2, policy_version=0, logprob_batch_size=8)
+        assert CountingEngine.forwards == (0 if precision == "fp32" else 1), precision
+    assert torch.equal(results["fp32"].response_ids, results["bf16"].response_ids)
+    assert torch.allclose(results["fp32"].behaviour_logprobs, results["bf16"].behaviour_logprobs, atol=ATOL)
 
 
 def test_sampler_logprobs_by_hand_and_a_masked_minus_infinity_stays_zero():
