@@ -2,7 +2,9 @@
 
 Generation is transformers' `generate` (KV cache, stop at EOS) on the engine's module, with every
 sampling knob set explicitly so that a model's own `generation_config.json` (a repetition penalty,
-a default top_k) cannot change what is sampled.
+a default top_k) cannot change what is sampled. The tokens are drawn by AstrAI's `TokenSampler`
+(`sampler.py`: inverse-CDF sampling over transformers' own temperature/top_k/top_p warpers, ~8x
+cheaper than generate's `torch.multinomial` on a CPU), inside generate running greedily.
 
 Behaviour log-probs, and how sampling-vs-training mismatch is handled: the log-probs the importance
 ratios divide by are NOT the ones the sampler saw. After sampling, the policy engine's own forward
@@ -13,8 +15,7 @@ enter the loss. What remains is the sampler's truncation: with top_p < 1 or top_
 from a truncated distribution while the ratio uses the full (temperature-scaled) one, a small bias
 shared by TRL, OpenRLHF and verl; the defaults (top_p 1, top_k 0) have none.
 `rollout.behaviour_logprobs: sampler` skips that forward and keeps, at each generation step, the
-log-prob of the sampled token under the sampler's own raw logits (full, temperature-scaled softmax,
-one step's [N, vocab] held at a time): 1.1x the rollout's tokens/s on a CPU, at the price of the cached-vs-full kernel
+log-prob of the sampled token under the sampler's own raw logits (full, temperature-scaled softmax): 1.1x the rollout's tokens/s on a CPU, at the price of the cached-vs-full kernel
 difference entering the first ratio (about 1e-6 in fp32; about 1e-2 in bf16, where recompute is the safe choice).
 The default, `auto`, takes exactly that trade: `sampler` when the policy trains in fp32, `recompute` in bf16/fp16.
 
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from astrai.rollout.sampler import TokenSampler
 from astrai.rollout.sequences import join_sequences, left_pad, response_logprobs, response_mask, truncated_rows
 
 SEED_MODULUS = 2**63 - 1
@@ -183,60 +185,34 @@ def behaviour_logprobs_source(setting: str, precision: str | None) -> str:
     return "sampler" if precision == "fp32" else "recompute"
 
 
-def sampling_config(settings, tokenizer):
-    """A GenerationConfig with every sampling knob set (nothing inherited from the model's defaults)."""
+def sampling_config(settings, tokenizer, *, do_sample: bool = True):
+    """A GenerationConfig with every sampling knob set (nothing inherited from the model's defaults).
+
+    do_sample=True: transformers' own sampling with the rollout's knobs (what plain `generate` does).
+    do_sample=False: what the rollout runs: greedy over the `TokenSampler`'s draw, every processor of
+    generate's off (the knobs neutral: the sampler applies temperature, top_k and top_p itself)."""
     from transformers import GenerationConfig
 
+    knobs = dict(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k) if do_sample else dict(temperature=1.0, top_p=1.0, top_k=0)
     return GenerationConfig(
-        do_sample=True, num_beams=1, temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
+        do_sample=do_sample, num_beams=1, **knobs,
         min_p=0.0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0, encoder_repetition_penalty=1.0,
         no_repeat_ngram_size=0, min_new_tokens=0, max_new_tokens=settings.max_new_tokens,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, use_cache=True,
     )
 
 
-class SampledTokenLogprobs:
-    """A logits processor that records the log-prob of each sampled token under the model's raw logits,
-    softmax over the whole vocabulary at the sampling temperature: what the loss's forward computes, not
-    the top_k/top_p-truncated distribution the token was drawn from.
-
-    generate calls it once per step with the step's logits, before the token is drawn; the token shows up
-    as the last column of input_ids at the next call (and of the output after the last one). So it keeps
-    one step's log-softmax [N, vocab] and gathers from it one call later. It must see raw logits: AstrAI's
-    sampling config enables no processor that generate would put before a user's, and the warpers
-    (temperature, top_k, top_p) always come after it."""
-
-    def __init__(self, temperature: float):
-        self.temperature = temperature
-        self.previous: torch.Tensor | None = None  # [N, vocab] float32 log-softmax of the last step
-        self.steps: list[torch.Tensor] = []  # [N] per generated token
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self._take(input_ids[:, -1])
-        self.previous = torch.log_softmax(scores.float() / self.temperature, dim=-1)
-        return scores
-
-    def _take(self, tokens: torch.Tensor) -> None:
-        if self.previous is not None:
-            self.steps.append(self.previous.gather(-1, tokens[:, None]).squeeze(-1))
-
-    def logprobs(self, response_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """[N, R] float32 log-probs of response_ids, 0 where mask is 0 (pads after EOS)."""
-        self._take(response_ids[:, -1])
-        self.previous = None
-        gathered = torch.stack(self.steps, dim=1) if self.steps else response_ids.new_zeros(response_ids.shape, dtype=torch.float32)
-        if gathered.shape != response_ids.shape:  # generate skipped the processor at some step: a transformers change
-            raise RuntimeError(f"sampler log-probs cover {tuple(gathered.shape)} of responses {tuple(response_ids.shape)}; use rollout.behaviour_logprobs: recompute")
-        return torch.where(mask.bool(), gathered, 0.0)  # not a product: a pad's -inf log-prob times 0 is NaN
-
-
 @torch.no_grad()
 def sample_responses(
-    engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings, tokenizer, recorder: SampledTokenLogprobs | None = None
+    engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings, tokenizer, sampler: TokenSampler | None = None
 ) -> torch.Tensor:
     """Sampled continuation ids [N, R] (R <= max_new_tokens; finished rows padded with the pad id).
-    recorder: a SampledTokenLogprobs that generate calls at every step (the sampler's behaviour log-probs)."""
+    sampler: the TokenSampler generate calls at every step (pass one built with keep_logprobs to read the
+    sampler's behaviour log-probs afterwards); by default one without."""
     from transformers import LogitsProcessorList
+
+    if sampler is None:
+        sampler = TokenSampler(settings.temperature, settings.top_k, settings.top_p, keep_logprobs=False)
 
     mode = getattr(settings, "zero3_generation", "copy")
     # Only the partitioned module's forwards are collectives: then a rank whose responses all ended keeps stepping.
@@ -246,8 +222,8 @@ def sample_responses(
         model.eval()  # no dropout while sampling; the behaviour log-probs come from the training forward anyway
         try:
             output = model.generate(
-                input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=sampling_config(settings, tokenizer), synced_gpus=synced,
-                logits_processor=LogitsProcessorList([recorder] if recorder is not None else []),
+                input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=sampling_config(settings, tokenizer, do_sample=False),
+                synced_gpus=synced, logits_processor=LogitsProcessorList([sampler]),
             )
         finally:
             model.train(was_training)
@@ -283,14 +259,14 @@ def generate_rollout(
     prompts, prompt_mask = (tensor.to(device) for tensor in left_pad(repeated, tokenizer.pad_token_id))
     source = behaviour_logprobs_source(getattr(settings, "behaviour_logprobs", "recompute"), getattr(engine, "precision", None))
     from_sampler = behaviour_logprobs and source == "sampler"
-    recorder = SampledTokenLogprobs(settings.temperature) if from_sampler else None
+    sampler = TokenSampler(settings.temperature, settings.top_k, settings.top_p, keep_logprobs=from_sampler)
     with forked_rng(seed, device):
-        response_ids = sample_responses(engine, prompts, prompt_mask, settings, tokenizer, recorder)
+        response_ids = sample_responses(engine, prompts, prompt_mask, settings, tokenizer, sampler)
     mask = response_mask(response_ids, tokenizer.eos_token_id)
     if not behaviour_logprobs:
         behaviour = None
     elif from_sampler:
-        behaviour = recorder.logprobs(response_ids, mask)
+        behaviour = sampler.logprobs(response_ids, mask)
     else:
         sequences = join_sequences(prompts, prompt_mask, response_ids, mask)
         behaviour = response_logprobs(engine, sequences, temperature=settings.temperature, batch_size=logprob_batch_size)

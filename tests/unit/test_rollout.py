@@ -177,23 +177,64 @@ def test_auto_behaviour_logprobs_come_from_the_sampler_in_fp32_only(model, token
     assert torch.allclose(results["fp32"].behaviour_logprobs, results["bf16"].behaviour_logprobs, atol=ATOL)
 
 
-def test_sampler_logprobs_by_hand_and_a_masked_minus_infinity_stays_zero():
-    """The recorder gathers step t's log-softmax at the token seen at step t + 1; a pad whose logit is -inf
-    (a model that masks vocabulary entries) is 0 after masking, not -inf x 0 = NaN."""
-    from astrai.rollout.generation import SampledTokenLogprobs
+def test_inverse_cdf_sampling_by_hand():
+    """Token i owns [cdf[i-1], cdf[i]) of u x total: zero-probability tokens (masked by top_k/top_p) own nothing,
+    and u just below 1 stays on the last token of positive probability."""
+    from astrai.rollout.sampler import inverse_cdf_sample
 
-    recorder = SampledTokenLogprobs(temperature=2.0)
-    step0 = torch.tensor([[0.0, 2.0, float("-inf")], [1.0, 1.0, 1.0]])
-    step1 = torch.tensor([[4.0, 0.0, float("-inf")], [0.0, 0.0, 2.0]])
-    prompt = torch.tensor([[7], [7]])
-    recorder(prompt, step0)
-    recorder(torch.cat([prompt, torch.tensor([[1], [2]])], 1), step1)  # sampled at step 0: tokens 1 and 2
-    responses = torch.tensor([[1, 2], [2, 0]])  # row 0 "samples" the -inf token at step 1, a pad after its EOS
-    logprobs = recorder.logprobs(responses, torch.tensor([[1, 0], [1, 1]]))
-    expected = [[torch.log_softmax(step0[0] / 2, -1)[1].item(), 0.0],
-                [torch.log_softmax(step0[1] / 2, -1)[2].item(), torch.log_softmax(step1[1] / 2, -1)[0].item()]]
-    assert not torch.isnan(logprobs).any()
-    assert logprobs.tolist() == [pytest.approx(row, abs=1e-6) for row in expected]
+    probabilities = torch.tensor([[0.1, 0.0, 0.6, 0.3, 0.0]] * 6, dtype=torch.float64)
+    uniforms = torch.tensor([0.0, 0.05, 0.1 + 1e-9, 0.69, 0.71, 1.0 - 2**-24])
+    assert inverse_cdf_sample(probabilities, uniforms).tolist() == [0, 0, 2, 2, 3, 3]
+    truncated = torch.tensor([[0.0, 0.5, 0.5, 0.0]], dtype=torch.float64)
+    assert inverse_cdf_sample(truncated, torch.tensor([0.0])).tolist() == [1]
+    assert inverse_cdf_sample(truncated, torch.tensor([1.0 - 2**-24])).tolist() == [2]
+
+
+@pytest.mark.parametrize("knobs", [dict(temperature=1.0, top_k=0, top_p=1.0), dict(temperature=0.5, top_k=3, top_p=1.0),
+                                   dict(temperature=2.0, top_k=0, top_p=0.6)])
+def test_the_token_sampler_draws_from_the_warped_distribution(knobs):
+    """20,000 draws from one row of logits, against the distribution computed here by hand: softmax at the
+    temperature, then the top k kept, then the smallest nucleus of mass >= top_p, renormalised."""
+    from astrai.rollout.sampler import TokenSampler
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, float("-inf")])
+    probabilities = torch.softmax(logits / knobs["temperature"], -1)
+    order = probabilities.argsort(descending=True)
+    keep = torch.zeros(6, dtype=torch.bool)
+    mass = 0.0
+    for rank, index in enumerate(order.tolist()):
+        if (knobs["top_k"] and rank >= knobs["top_k"]) or mass >= knobs["top_p"] or probabilities[index] == 0:
+            break
+        keep[index], mass = True, mass + probabilities[index].item()
+    expected = torch.where(keep, probabilities, 0.0) / probabilities[keep].sum()
+    draws = 20_000
+    sampler = TokenSampler(**knobs, keep_logprobs=True)
+    torch.manual_seed(0)
+    chosen = sampler(torch.zeros(draws, 1, dtype=torch.long), logits.expand(draws, 6).clone())
+    assert torch.isinf(chosen).sum(-1).eq(5).all() and chosen.max(-1).values.eq(0).all()  # one token left per row, at 0
+    tokens = chosen.argmax(-1)
+    frequencies = torch.bincount(tokens, minlength=6).double() / draws
+    tolerance = 4 * (expected * (1 - expected) / draws).sqrt() + 1e-12
+    assert ((frequencies - expected.double()).abs() <= tolerance).all(), (frequencies, expected)
+    assert frequencies[~keep].sum() == 0  # nothing outside the top k / the nucleus, never the -inf token
+    # The kept log-prob is the token's under the full softmax at the temperature, not the truncated one.
+    kept = sampler.logprobs(tokens[:, None], torch.ones(draws, 1))
+    assert torch.allclose(kept[:, 0], torch.log_softmax(logits / knobs["temperature"], -1)[tokens], atol=1e-6)
+
+
+def test_sampler_logprobs_are_zero_on_pads_and_refuse_a_step_count_mismatch():
+    from astrai.rollout.sampler import TokenSampler
+
+    sampler = TokenSampler(1.0, 0, 1.0, keep_logprobs=True)
+    torch.manual_seed(1)
+    for _ in range(2):
+        sampler(torch.zeros(2, 1, dtype=torch.long), torch.tensor([[0.0, 2.0, float("-inf")], [1.0, 1.0, 1.0]]))
+    logprobs = sampler.logprobs(torch.tensor([[1, 0], [2, 0]]), torch.tensor([[1, 0], [1, 1]]))
+    assert logprobs[0, 1] == 0 and (logprobs[logprobs != 0] < 0).all() and not torch.isnan(logprobs).any()
+    with pytest.raises(RuntimeError, match="use rollout.behaviour_logprobs: recompute"):
+        sampler.logprobs(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3))
+    with pytest.raises(RuntimeError, match="keep_logprobs=False"):
+        TokenSampler(1.0, 0, 1.0, keep_logprobs=False).logprobs(torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1))
 
 
 def test_max_length_truncates_and_marks(model, tokenizer):
