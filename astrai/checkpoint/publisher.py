@@ -268,7 +268,8 @@ class CheckpointPublisher:
         `write(staging_dir)` runs on every rank and writes that rank's files under staging_dir. It may
         return the digests (made with this publisher's `hash_algorithm`, keyed by path relative to
         staging_dir) of files it hashed while writing them, e.g. `StreamedFiles.digests_under(staging_dir)`:
-        those are fsynced by this rank and size-checked instead of read back and hashed.
+        those are fsynced by this rank and size-checked instead of read back and hashed. Any other return
+        value is ignored.
         `meta` (JSON-serializable, rank 0's is used) goes into the manifest as is.
         `pre_publish()` runs on rank 0 after the manifest is durable, just before the publishing
         rename (the trainer flushes and fsyncs metrics.jsonl there); its failure fails the save.
@@ -362,7 +363,8 @@ class CheckpointPublisher:
             known = write(staging)
             if rank == 0 and os.path.lexists(staging / MANIFEST_NAME):
                 raise CheckpointError("the write callback must not create manifest.json (the publisher writes it)")
-            return dict(known or {})
+            # Anything but a mapping is no report: a lambda's incidental value (e.g. write_text's byte count).
+            return dict(known) if isinstance(known, Mapping) else {}
 
         save.known = self._phase(save, "write", run_write)
         listing = save.listing = self._agreed_listing(save, staging)
