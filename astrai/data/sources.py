@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import json
 from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,11 +52,73 @@ def load_rows(path: str, file_format: str, cache_dir: Path) -> Rows:
             part = datasets.load_dataset(builder, data_files=str(file), split="train", cache_dir=str(cache_dir))
         except Exception as error:  # datasets raises many types for a bad file; all mean "cannot read"
             raise DataError(f"{file}: cannot read as {builder}: {error}") from None
+        refuse_changed_values(file, part)
         parts.append(part)
         starts.append(total)
         total += len(part)
     dataset = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
     return Rows(dataset, files, starts)
+
+
+def mixed_type_columns(features, prefix: str = "") -> list[str]:
+    """Columns (dotted; `[]` for list items) that datasets could only type as `Json`: their values have
+    several types (a string in one row, a number in another)."""
+    if isinstance(features, datasets.Json):
+        return [prefix]
+    if isinstance(features, dict):
+        return [name for key, feature in features.items() for name in mixed_type_columns(feature, f"{prefix}.{key}" if prefix else key)]
+    inner = getattr(features, "feature", None)  # List, LargeList, Sequence
+    return mixed_type_columns(inner, f"{prefix}[]") if inner is not None else []
+
+
+def refuse_changed_values(file: Path, dataset: datasets.Dataset) -> None:
+    """A JSON column whose values have several types (a string in one row, a number or a list in
+    another) is one `datasets` can only keep as JSON text, decoded on read: a string that reads as
+    JSON then comes back as another type ("2" -> 2, "true" -> True), and a reward comparing answers or
+    a chat template sees silently changed data. Such columns are checked against the file, row by row;
+    the first changed value is refused, naming its row. Values merely of another type (a malformed
+    row, e.g. `messages` that is a string) come back unchanged and are left to data.on_bad_row."""
+    mixed = sorted({name.split(".")[0].split("[")[0] for name in mixed_type_columns(dataset.features)})
+    if not mixed or file.suffix not in (".jsonl", ".json"):
+        return
+    for index, original in enumerate(_json_rows(file)):
+        if index >= len(dataset):
+            return
+        decoded = dataset[index]
+        for column in mixed:
+            if isinstance(original, dict) and not _same_json(original.get(column), decoded.get(column)):
+                raise DataError(
+                    f"{file}: row {index + 1}, column {column!r}: datasets read {original.get(column)!r} as "
+                    f"{decoded.get(column)!r}: the column has values of different types, which datasets keeps "
+                    "as JSON and decodes on read. Give the column one type (e.g. quote every value as a string)"
+                )
+
+
+def _json_rows(file: Path):
+    """The rows of a JSON Lines file (blank lines skipped, as datasets does) or of a JSON array document."""
+    with open(file, encoding="utf-8") as handle:
+        if file.suffix == ".json":
+            document = json.load(handle)
+            yield from document if isinstance(document, list) else ()
+            return
+        for line in handle:
+            if line.strip():
+                yield json.loads(line)
+
+
+def _same_json(original, decoded) -> bool:
+    """Equal as JSON values, types included (2 is not "2", True is not 1); a key datasets filled with
+    None (absent in this row, present in another) counts as absent."""
+    if isinstance(original, dict) and isinstance(decoded, dict):
+        keys = set(original) | {key for key, value in decoded.items() if value is not None}
+        return all(_same_json(original.get(key), decoded.get(key)) for key in keys)
+    if isinstance(original, list) and isinstance(decoded, list):
+        return len(original) == len(decoded) and all(_same_json(a, b) for a, b in zip(original, decoded))
+    if isinstance(original, bool) or isinstance(decoded, bool):
+        return type(original) is type(decoded) and original == decoded
+    if isinstance(original, (int, float)) and isinstance(decoded, (int, float)):
+        return original == decoded
+    return type(original) is type(decoded) and original == decoded
 
 
 def iter_texts(rows: Rows, fields: tuple[str, ...]):

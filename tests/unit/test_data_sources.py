@@ -70,3 +70,24 @@ def test_skipped_rows_are_counted_and_logged(tmp_path, one_rank, caplog):
         run = build_run(load_job(config), one_rank, str(config))
     assert run.skipped_rows == 2 and len(run.dataset) == 6
     assert "skipped 2 malformed rows (data.on_bad_row: skip)" in caplog.text
+
+
+def test_a_column_of_mixed_types_never_changes_a_value_silently(tmp_path):
+    """datasets keeps a JSON column of several types as JSON text and decodes it on read, so "2" would come
+    back as the number 2: refused, naming the file, row, column and both values. A column of mixed types
+    whose values all come back as written (a malformed row among chats) loads, for data.on_bad_row."""
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text('{"prompt": "1+1=", "answer": "x"}\n{"prompt": "1+2=", "answer": "3"}\n{"prompt": "2+2=", "answer": 4}\n')
+    with pytest.raises(DataError, match=r"answers\.jsonl: row 2, column 'answer': datasets read '3' as 3: the column has values of different types"):
+        load_rows(str(answers), "auto", tmp_path / "cache")
+    as_document = tmp_path / "answers.json"
+    as_document.write_text(json.dumps([{"answer": "true"}, {"answer": [1]}]))
+    with pytest.raises(DataError, match=r"row 1, column 'answer': datasets read 'true' as True"):
+        load_rows(str(as_document), "auto", tmp_path / "cache")
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps(row) + "\n" for row in [*CHATS[:2], {"messages": "not a list"}]))
+    rows = load_rows(str(chats), "auto", tmp_path / "cache")
+    assert [row["messages"] for row in rows.dataset] == [CHATS[0]["messages"], CHATS[1]["messages"], "not a list"]
+    numbers = tmp_path / "numbers.jsonl"  # ints and floats are one type to datasets (float64): nothing to check
+    numbers.write_text('{"x": 1}\n{"x": 2.5}\n{"x": null}\n')
+    assert load_rows(str(numbers), "auto", tmp_path / "cache").dataset["x"] == [1.0, 2.5, None]
