@@ -101,8 +101,8 @@ class StreamedFile(io.RawIOBase):
     an `algorithm`, hashes its bytes in a thread that follows the writer (see the module docstring).
 
     `digest` is the size and digest of the whole file once it is closed after successful writes; it
-    stays None after a failed write (or without an algorithm), so a partial file is never described as
-    a complete one. `on_digest(file)` is called once that digest exists.
+    stays None after a failed write, after an exception inside its `with` block, and without an
+    algorithm, so a partial file is never described as a complete one. `on_digest(file)` is called once that digest exists.
     """
 
     def __init__(
@@ -147,6 +147,11 @@ class StreamedFile(io.RawIOBase):
             self._failed = True
             raise
         return len(view)
+
+    def __exit__(self, exc_type, exc, traceback):
+        if exc_type is not None:  # the serialiser failed between writes: what is on disk is not the whole file
+            self._failed = True
+        return super().__exit__(exc_type, exc, traceback)
 
     def _start_writeback(self) -> None:
         fs.start_writeback(self._descriptor, self._written_back, self._size - self._written_back)

@@ -94,6 +94,15 @@ def test_a_failed_write_leaves_no_digest(tmp_path):
         handle.write(b"z")
 
 
+def test_a_serialiser_failing_between_writes_leaves_no_digest(tmp_path):
+    files = StreamedFiles("sha256")
+    with pytest.raises(RuntimeError, match="pickling failed"):
+        with files.open(tmp_path / "f.pt") as handle:
+            handle.write(b"header")
+            raise RuntimeError("pickling failed")
+    assert handle.closed and handle.digest is None and files.digests_under(tmp_path) == {}
+
+
 def test_bytes_that_cannot_be_read_back_fail_the_close(tmp_path):
     # The hash follows the writer by reading the file back: a file cut short under it is an error, not a digest.
     handle = StreamedFile(tmp_path / "f.bin", "sha256", writeback_bytes=32 * KIB)
