@@ -22,6 +22,10 @@ from __future__ import annotations
 
 import torch
 
+# Rows are drawn in chunks of at most this many vocabulary entries: the float64 probabilities and their
+# cumulative sum are two [rows, vocab] tensors, 1.2 GB for 512 rollouts x a 150k vocabulary at once.
+CHUNK_ELEMENTS = 1 << 22  # 32 MiB per float64 tensor
+
 
 def inverse_cdf_sample(probabilities: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Token ids [N] drawn from `probabilities` [N, V] (rows summing to 1, float64) with `uniforms` [N] in
@@ -41,7 +45,7 @@ class TokenSampler:
     keep_logprobs: record each drawn token's log-prob (`logprobs()` returns them once generate is done).
     """
 
-    def __init__(self, temperature: float, top_k: int, top_p: float, *, keep_logprobs: bool):
+    def __init__(self, temperature: float, top_k: int, top_p: float, *, keep_logprobs: bool, chunk_elements: int = CHUNK_ELEMENTS):
         from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
         warpers = []
@@ -54,14 +58,18 @@ class TokenSampler:
         self.warpers = LogitsProcessorList(warpers)
         self.temperature = temperature
         self.keep_logprobs = keep_logprobs
+        self.chunk_elements = chunk_elements
         self.steps: list[torch.Tensor] = []  # [N] log-prob of the token drawn at each step
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         logits = scores.float()
         warped = self.warpers(input_ids, logits)
-        probabilities = torch.softmax(warped.double(), dim=-1)
         uniforms = torch.rand(logits.shape[0], device=logits.device)  # float32: < 1 - 2^-24, so u x total < total
-        tokens = inverse_cdf_sample(probabilities, uniforms)
+        rows = max(1, self.chunk_elements // logits.shape[-1])
+        tokens = torch.cat([
+            inverse_cdf_sample(torch.softmax(warped[start : start + rows].double(), dim=-1), uniforms[start : start + rows])
+            for start in range(0, logits.shape[0], rows)
+        ])
         if self.keep_logprobs:
             scaled = logits / self.temperature
             drawn = scaled.gather(-1, tokens[:, None]).squeeze(-1)

@@ -217,6 +217,10 @@ def test_the_token_sampler_draws_from_the_warped_distribution(knobs):
     tolerance = 4 * (expected * (1 - expected) / draws).sqrt() + 1e-12
     assert ((frequencies - expected.double()).abs() <= tolerance).all(), (frequencies, expected)
     assert frequencies[~keep].sum() == 0  # nothing outside the top k / the nucleus, never the -inf token
+    # Drawn in chunks of rows (bounded float64 memory), the same uniforms give the same tokens.
+    torch.manual_seed(0)
+    chunked = TokenSampler(**knobs, keep_logprobs=False, chunk_elements=6 * 7)(torch.zeros(draws, 1, dtype=torch.long), logits.expand(draws, 6).clone())
+    assert torch.equal(chunked.argmax(-1), tokens)
     # The kept log-prob is the token's under the full softmax at the temperature, not the truncated one.
     kept = sampler.logprobs(tokens[:, None], torch.ones(draws, 1))
     assert torch.allclose(kept[:, 0], torch.log_softmax(logits / knobs["temperature"], -1)[tokens], atol=1e-6)
