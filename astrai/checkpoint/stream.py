@@ -39,7 +39,7 @@ class _FollowingHasher:
 
     def __init__(self, path: Path, algorithm: str):
         self._hasher = new_hasher(algorithm)
-        self._descriptor = os.open(path, os.O_RDONLY)
+        self._reader = open(path, "rb", buffering=0)  # sequential: the hash never reads past what is written
         self._written = 0  # bytes the writer has written so far
         self._closing = False
         self._abandoned = False
@@ -70,7 +70,7 @@ class _FollowingHasher:
             self._closing = True
             self._changed.notify()
         self._thread.join()
-        os.close(self._descriptor)
+        self._reader.close()
 
     def _run(self) -> None:
         buffer = bytearray(CHUNK_BYTES)
@@ -85,7 +85,7 @@ class _FollowingHasher:
                     if self._abandoned:
                         return
                 while hashed < target:
-                    count = os.preadv(self._descriptor, [view[: min(CHUNK_BYTES, target - hashed)]], hashed)
+                    count = self._reader.readinto(view[: min(CHUNK_BYTES, target - hashed)])
                     if count == 0:
                         raise OSError(f"{target - hashed} written bytes of the file could not be read back")
                     self._hasher.update(view[:count])
