@@ -11,7 +11,7 @@ so every rank learns every other rank's failure and all raise the same Checkpoin
                     (`stream.StreamedFiles`) by the rank that wrote it, without reading it back; the
                     others, file i of the rest of the sorted listing, by rank i % world_size
 6. publish          rank 0 writes manifest.json last, fsyncs directories, runs `pre_publish`,
-                    renames staging -> step_<N> (one atomic rename) and fsyncs the parent
+                    renames staging -> step_<N> (one atomic rename) and fsyncs the parent (`install.py`)
 Then rank 0 applies retention (`keep_last`).
 
 `publish_async` runs phases 1-4 (everything that touches the caller's state: the shards are written
@@ -29,7 +29,6 @@ types or DeepSpeed: what goes into a checkpoint is entirely the `write` callback
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import socket
@@ -44,9 +43,11 @@ from . import fs
 from .collective import PhaseStalledError, open_group
 from .errors import CheckpointError
 from .hashing import FileDigest, default_hash_threads, hash_files, new_hasher
-from .layout import retired_dir_name, staging_dir_name, step_dir_name
-from .manifest import MANIFEST_NAME, Manifest, is_safe_relative_path, write_manifest
-from .retention import CleanupReport, apply_retention, cleanup_stale, delete_retired
+from .install import publish_staging
+from .layout import staging_dir_name
+from .manifest import MANIFEST_NAME, Manifest, is_safe_relative_path
+from .outcomes import check_reported_digests, describe_error, describe_listing_difference
+from .retention import CleanupReport, apply_retention, cleanup_stale
 from .verify import list_files
 
 logger = logging.getLogger(__name__)
@@ -55,13 +56,6 @@ MARKER_NAME = ".astrai-shared-storage-check"
 SHARED_STORAGE_WAIT_S = 2.0  # a network filesystem may show another node's new file a little late
 LISTING_ATTEMPTS = 3  # same reason: a listing that disagrees is retried after a pause before failing
 _PHASES_BEFORE_PUBLISH = ("create-staging", "shared-storage", "write", "gather-listing", "hash")
-_ERRNO_HINTS = {
-    errno.ENOSPC: "out of disk space: free space or lower checkpoint.keep_last",
-    errno.EDQUOT: "disk quota exceeded",
-    errno.EFBIG: "file size limit reached (ulimit -f) or file too large for the filesystem",
-    errno.EIO: "I/O error reported by the storage: check the disk or filesystem",
-    errno.EROFS: "the filesystem is read-only",
-}
 
 
 @dataclass(frozen=True)
@@ -113,27 +107,6 @@ class _Background:
             self.report = self._finish()
         except BaseException as error:  # kept for wait(), which raises it in the caller's thread
             self.error = error
-
-
-def describe_error(error: BaseException) -> str:
-    """One line naming the exception type and message, with a hint for storage errnos."""
-    text = f"{type(error).__name__}: {error}"
-    hint = _ERRNO_HINTS.get(getattr(error, "errno", None))
-    return f"{text} ({hint})" if hint else text
-
-
-def describe_listing_difference(listings: Sequence[Sequence[str]]) -> str | None:
-    """None when every rank listed the same files, else which rank differs from rank 0 and how."""
-    reference = set(listings[0])
-    for rank, listing in enumerate(listings[1:], start=1):
-        if list(listing) != list(listings[0]):
-            missing = sorted(reference - set(listing))[:5]
-            extra = sorted(set(listing) - reference)[:5]
-            return (
-                f"rank {rank} sees different files than rank 0 in the staging directory: "
-                f"missing {missing}, extra {extra}"
-            )
-    return None
 
 
 class CheckpointPublisher:
@@ -368,7 +341,7 @@ class CheckpointPublisher:
 
         save.known = self._phase(save, "write", run_write)
         listing = save.listing = self._agreed_listing(save, staging)
-        self._check_known(save)
+        check_reported_digests(save.context, save.listing, save.known)
         missing = [
             part for part in self.parts if not any(path == part or path.startswith(part + "/") for path in listing)
         ]
@@ -377,23 +350,6 @@ class CheckpointPublisher:
                 f"{save.context}: the write callback produced no files for the part(s) {', '.join(missing)} "
                 "this checkpoint must contain; nothing was published"
             )
-
-    def _check_known(self, save: _Save) -> None:
-        """The reported digests name files of the agreed listing, each reported by one rank only."""
-        listed, reported_by = set(save.listing), {}
-        for rank, known in enumerate(save.known):
-            for path, digest in known.items():
-                if path not in listed or not isinstance(digest, FileDigest):
-                    raise CheckpointError(
-                        f"{save.context}: the write callback on rank {rank} reported a digest for {path!r}, "
-                        "which is not a file of the staging directory; nothing was published"
-                    )
-                if path in reported_by:
-                    raise CheckpointError(
-                        f"{save.context}: ranks {reported_by[path]} and {rank} both report writing {path!r}; "
-                        "nothing was published"
-                    )
-                reported_by[path] = rank
 
     def _hash(self, save: _Save, meta: dict[str, Any]) -> Manifest:
         """Phase 5: every file fsynced and hashed (see the module docstring for who does which); the manifest."""
@@ -460,52 +416,13 @@ class CheckpointPublisher:
         )
 
     def _install(self, save: _Save, manifest: Manifest, pre_publish: Callable[[], None] | None) -> str:
-        """Rank 0: manifest last, fsync directories, pre_publish, then the publishing rename(s).
+        """Rank 0: phase 6 (`install.publish_staging`); from the publishing rename on, the staging
+        directory is the checkpoint and must never be removed as a failed save's leftover."""
 
-        Republish of an existing step_<N>: rename it to `.step_<N>.retired-<id>`, rename staging
-        to step_<N>, fsync the parent, delete the retired one. A crash between the two renames
-        leaves only the retired copy, which `cleanup_stale()` renames back; a failure of the
-        second rename puts it back at once.
-        """
-        staging = save.staging
-        write_manifest(staging, manifest)
-        for directory, _, _ in os.walk(staging, topdown=False):
-            if Path(directory) != staging:
-                fs.fsync_dir(Path(directory))
-        if pre_publish is not None:
-            pre_publish()
-        final = self.checkpoints_dir / step_dir_name(save.step)
-        if not os.path.lexists(final):
-            fs.rename(staging, final)
+        def renamed() -> None:
             save.staging = None
-            self._sync_parent(final)
-            return str(final)
-        retired = self.checkpoints_dir / retired_dir_name(save.step)
-        fs.rename(final, retired)
-        try:
-            fs.rename(staging, final)
-        except Exception:
-            try:
-                fs.rename(retired, final)
-            except OSError as error:
-                logger.error("could not restore %s from %s (%s); cleanup_stale() restores it", final, retired, error)
-            raise
-        save.staging = None
-        self._sync_parent(final)
-        try:
-            delete_retired(retired)
-        except OSError as error:
-            logger.warning("could not delete the replaced checkpoint %s (%s); cleanup_stale() will", retired, error)
-        return str(final)
 
-    def _sync_parent(self, published: Path) -> None:
-        try:
-            fs.fsync_dir(self.checkpoints_dir)
-        except OSError as error:
-            raise CheckpointError(
-                f"{published} was published, but syncing {self.checkpoints_dir} failed "
-                f"({describe_error(error)}); it may not survive a power loss"
-            ) from error
+        return str(publish_staging(self.checkpoints_dir, save.staging, save.step, manifest, pre_publish, renamed=renamed))
 
     def _apply_retention(self, published: Path) -> tuple[Path, ...]:
         """Rank 0: keep_last retention; a failure is logged, never fails the save (the new checkpoint is published)."""

@@ -7,7 +7,6 @@ import errno
 import hashlib
 import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
