@@ -102,7 +102,8 @@ class StreamedFile(io.RawIOBase):
 
     `digest` is the size and digest of the whole file once it is closed after successful writes; it
     stays None after a failed write, after an exception inside its `with` block, and without an
-    algorithm, so a partial file is never described as a complete one. `on_digest(file)` is called once that digest exists.
+    algorithm, so a partial file is never described as a complete one. `on_digest(file)` is called once
+    that digest exists.
     """
 
     def __init__(

@@ -15,9 +15,11 @@ enter the loss. What remains is the sampler's truncation: with top_p < 1 or top_
 from a truncated distribution while the ratio uses the full (temperature-scaled) one, a small bias
 shared by TRL, OpenRLHF and verl; the defaults (top_p 1, top_k 0) have none.
 `rollout.behaviour_logprobs: sampler` skips that forward and keeps, at each generation step, the
-log-prob of the sampled token under the sampler's own raw logits (full, temperature-scaled softmax): 1.1x the rollout's tokens/s on a CPU, at the price of the cached-vs-full kernel
-difference entering the first ratio (about 1e-6 in fp32; about 1e-2 in bf16, where recompute is the safe choice).
-The default, `auto`, takes exactly that trade: `sampler` when the policy trains in fp32, `recompute` in bf16/fp16.
+log-prob of the sampled token under the sampler's own raw logits (full, temperature-scaled softmax):
+1.1x the rollout's tokens/s on a CPU, at the price of the cached-vs-full kernel difference entering
+the first ratio (about 1e-6 in fp32; about 1e-2 in bf16, where recompute is the safe choice). The
+default, `auto`, takes exactly that trade: `sampler` when the policy trains in fp32, `recompute` in
+bf16/fp16.
 
 ZeRO-3 (`rollout.zero3_generation`): by default generation runs in a plain, hook-free copy of the
 policy that `Engine.generation_module()` allocates for the rollout and fills one gathered parameter
@@ -193,7 +195,9 @@ def sampling_config(settings, tokenizer, *, do_sample: bool = True):
     generate's off (the knobs neutral: the sampler applies temperature, top_k and top_p itself)."""
     from transformers import GenerationConfig
 
-    knobs = dict(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k) if do_sample else dict(temperature=1.0, top_p=1.0, top_k=0)
+    knobs = dict(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
+    if not do_sample:
+        knobs = dict(temperature=1.0, top_p=1.0, top_k=0)
     return GenerationConfig(
         do_sample=do_sample, num_beams=1, **knobs,
         min_p=0.0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0, encoder_repetition_penalty=1.0,
