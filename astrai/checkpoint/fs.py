@@ -81,7 +81,6 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-
 @functools.cache
 def _sync_file_range():
     """libc's sync_file_range (Linux only), or None. Looked up at first use: ctypes stays out of imports."""

@@ -195,8 +195,9 @@ def sampling_config(settings, tokenizer, *, do_sample: bool = True):
     generate's off (the knobs neutral: the sampler applies temperature, top_k and top_p itself)."""
     from transformers import GenerationConfig
 
-    knobs = dict(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
-    if not do_sample:
+    if do_sample:
+        knobs = dict(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
+    else:
         knobs = dict(temperature=1.0, top_p=1.0, top_k=0)
     return GenerationConfig(
         do_sample=do_sample, num_beams=1, **knobs,
