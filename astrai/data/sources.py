@@ -81,15 +81,15 @@ def refuse_changed_values(file: Path, dataset: datasets.Dataset) -> None:
     mixed = sorted({name.split(".")[0].split("[")[0] for name in mixed_type_columns(dataset.features)})
     if not mixed or file.suffix not in (".jsonl", ".json"):
         return
-    for index, original in enumerate(_json_rows(file)):
-        if index >= len(dataset):
-            return
-        decoded = dataset[index]
+    # Only the mixed columns are decoded again, row by row beside the file's own rows.
+    for index, (original, decoded) in enumerate(zip(_json_rows(file), dataset.select_columns(mixed))):
+        if not isinstance(original, dict):
+            continue
         for column in mixed:
-            if isinstance(original, dict) and not _same_json(original.get(column), decoded.get(column)):
+            if not _same_json(original.get(column), decoded[column]):
                 raise DataError(
                     f"{file}: row {index + 1}, column {column!r}: datasets read {original.get(column)!r} as "
-                    f"{decoded.get(column)!r}: the column has values of different types, which datasets keeps "
+                    f"{decoded[column]!r}: the column has values of different types, which datasets keeps "
                     "as JSON and decodes on read. Give the column one type (e.g. quote every value as a string)"
                 )
 
@@ -114,11 +114,13 @@ def _same_json(original, decoded) -> bool:
         return all(_same_json(original.get(key), decoded.get(key)) for key in keys)
     if isinstance(original, list) and isinstance(decoded, list):
         return len(original) == len(decoded) and all(_same_json(a, b) for a, b in zip(original, decoded))
-    if isinstance(original, bool) or isinstance(decoded, bool):
-        return type(original) is type(decoded) and original == decoded
-    if isinstance(original, (int, float)) and isinstance(decoded, (int, float)):
+    if _is_number(original) and _is_number(decoded):  # 1 and 1.0 are one JSON number
         return original == decoded
     return type(original) is type(decoded) and original == decoded
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def iter_texts(rows: Rows, fields: tuple[str, ...]):
