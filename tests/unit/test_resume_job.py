@@ -121,18 +121,21 @@ def test_a_resume_with_another_tokenizer_is_refused(one_rank, first, tmp_path):
               f"tokenizer.path={tmp_path / 'other'}")
 
 
-def test_larger_max_steps_continues_the_schedule_over_the_new_total(one_rank, first):
-    """The first run decayed linearly to lr 0 after its step 2; resumed with max_steps 4, step 3 trains at
-    the new schedule's lr for 2 completed updates (lr x (1 - 3/4)), not at 0."""
-    extended = first / "extended"
-    shutil.copytree(first / "first", extended)
-    config = write_job(first, "extended_job", output="extended")
-    train(one_rank, config, "train.max_steps=4")
-    records = {record["step"]: record for record in metrics(extended)}
+@pytest.mark.parametrize("stage", [0, 2], ids=["zero0", "zero2"])
+def test_larger_max_steps_continues_the_schedule_over_the_new_total(one_rank, first, stage, caplog):
+    """A run of 2 steps decays linearly to lr 0 after its step 2; resumed with max_steps 4, step 3 trains
+    at the new schedule's lr for 2 completed updates (lr x (1 - 3/4)), not at 0, and the log says so.
+    ZeRO-0's optimizer is torch's own; ZeRO-2 wraps it (the lr is set through the schedule's optimizer)."""
+    config = write_job(first, f"extended_{stage}")
+    train(one_rank, config, f"deepspeed.zero_stage={stage}")
+    assert [record["lr"] for record in metrics(first / f"extended_{stage}")] == [LR * 0.5, 0.0]
+    train(one_rank, config, f"deepspeed.zero_stage={stage}", "train.max_steps=4")
+    records = {record["step"]: record for record in metrics(first / f"extended_{stage}")}
     schedule = lr_lambda(4, 0, "linear", 0.0)
     assert records[3]["lr"] > 0
     assert records[3]["lr"] == pytest.approx(LR * schedule(2), rel=1e-12)
     assert records[4]["lr"] == pytest.approx(LR * schedule(3), rel=1e-12)
+    assert "the checkpoint's run spanned 2 steps, this job 4: the schedule continues over 4 steps" in caplog.text
 
 
 def test_init_from_checkpoint_takes_the_weights_only(one_rank, first):
