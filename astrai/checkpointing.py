@@ -148,7 +148,7 @@ def check_same_job(run, path: Path, manifest) -> None:
 
 def continue_schedule(run, path: Path, step: int) -> None:
     """Each engine's LR at the resumed position, from this job's schedule. DeepSpeed restores the
-    optimizer's lr as the checkpoint's schedule left it (at its end: the final, often 0); the job's
+    optimizer's lr as the checkpoint's schedule left it (after a decay to its end: often 0); the job's
     schedule (over its own total: train.max_steps may have grown) only takes over one update later.
     Setting it now makes the step after the resume follow this job's schedule, without a jump."""
     manifest = read_manifest(path)

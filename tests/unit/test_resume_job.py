@@ -162,6 +162,21 @@ def test_init_from_checkpoint_of_another_train_type_is_the_way(one_rank, first):
     assert state.step == 1
 
 
+def test_init_from_checkpoint_is_also_the_default_reference(one_rank, first):
+    """dpo from the sft checkpoint: its frozen reference is the policy's starting weights, i.e. the checkpoint's."""
+    checkpoint = find_latest(first / "first" / "checkpoints")
+    pairs = first / "pairs.jsonl"
+    pairs.write_text("".join((REPO / "data/arithmetic/preference.jsonl").read_text().splitlines(keepends=True)[:8]))
+    config = write_job(first, "dpo_from_sft", train_type="dpo", data=pairs)
+    overrides = [f"model.init_from_checkpoint={checkpoint}", "tokenizer.build=null",
+                 f"tokenizer.path={checkpoint / 'tokenizer'}"]
+    run = build_run(load_job(config, overrides), one_rank, str(config))
+    saved = consolidated_state_dict(checkpoint / "policy")
+    reference = run.strategy.reference.module.state_dict()
+    assert all(torch.equal(reference[name], tensor) for name, tensor in saved.items())
+    assert run.strategy.checkpoint_meta()["reference"].startswith(f"model.init_from_checkpoint {checkpoint}")
+
+
 # ----------------------------------------------------------------------------- seeding
 
 
