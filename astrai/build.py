@@ -70,8 +70,9 @@ def keep_run_tokenizer(tokenizer, folder: Path, is_main: bool) -> None:
         same = check_saved_tokenizer(tokenizer, folder, "tokenizer.build")
     except TokenizerError as error:
         raise TokenizerError(
-            f"{error} (the tokenizer this output_dir was trained with, rebuilt from data.path: did the data or "
-            f"tokenizer.build change? Use a new output_dir, or replace tokenizer.build with tokenizer.path: {folder})"
+            f"{error} (the tokenizer this output_dir was trained with, rebuilt from data.path: did the data, "
+            f"tokenizer.build or tokenizer.chat_template change? Use a new output_dir, or replace tokenizer.build "
+            f"with tokenizer.path: {folder})"
         ) from None
     if not same and is_main:
         save_tokenizer(tokenizer, folder)
