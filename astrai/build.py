@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
+import numpy
 import torch
 
 from astrai.config import JobConfig, resolve_template
@@ -16,7 +18,11 @@ from astrai.data.sources import iter_texts, load_rows
 from astrai.engine import DistInfo, Engine, barrier, build_ds_config, lr_lambda, make_engine, resolve_precision, zero3_loading
 from astrai.models.policy import build_policy
 from astrai.models.value import build_value_model
-from astrai.models.tokenizer import build_tokenizer, load_tokenizer, save_tokenizer
+from astrai.models.checkpoint_weights import load_checkpoint_weights
+from astrai.models.tokenizer import (
+    TOKENIZER_DIR, TokenizerError, build_tokenizer, check_saved_tokenizer, load_tokenizer, require_chat_template,
+    save_tokenizer,
+)
 from astrai.strategies import Strategy, strategy_class
 
 logger = logging.getLogger("astrai.build")
@@ -46,10 +52,38 @@ def make_tokenizer(job: JobConfig, rows, output_dir: Path, is_main: bool):
         tokenizer = build_tokenizer(job.tokenizer.build.kind, iter_texts(rows, fields), job.tokenizer.build.vocab_size)
         if job.tokenizer.chat_template:
             tokenizer.chat_template = job.tokenizer.chat_template
-        if is_main:
-            save_tokenizer(tokenizer, output_dir / "tokenizer")
-        return tokenizer
-    return load_tokenizer(job.tokenizer.path or job.model.path, job.tokenizer.chat_template)
+        keep_run_tokenizer(tokenizer, output_dir / TOKENIZER_DIR, is_main)
+        source = "tokenizer.build"
+    else:
+        source = job.tokenizer.path or job.model.path
+        tokenizer = load_tokenizer(source, job.tokenizer.chat_template)
+    if strategy_class(job.train.train_type).renders_chats:
+        require_chat_template(tokenizer, source, job.train.train_type)
+    return tokenizer
+
+
+def keep_run_tokenizer(tokenizer, folder: Path, is_main: bool) -> None:
+    """A built tokenizer is saved once in `output_dir/tokenizer` and never replaced by another: a rebuild
+    (every start and resume rebuilds it from the data) must give the same one, else the job fails here,
+    before that folder or any checkpoint that needs it is touched. Every rank compares, so all fail."""
+    try:
+        same = check_saved_tokenizer(tokenizer, folder, "tokenizer.build")
+    except TokenizerError as error:
+        raise TokenizerError(
+            f"{error} (the tokenizer this output_dir was trained with, rebuilt from data.path: did the data, "
+            f"tokenizer.build or tokenizer.chat_template change? Use a new output_dir, or replace tokenizer.build "
+            f"with tokenizer.path: {folder})"
+        ) from None
+    if not same and is_main:
+        save_tokenizer(tokenizer, folder)
+
+
+def seed_everything(seed: int) -> None:
+    """`train.seed` for Python's `random`, numpy and torch (every device), the same on every rank, before
+    anything is built: model init, dropout masks and sampling repeat exactly in a rerun of the job."""
+    random.seed(seed)
+    numpy.random.seed(seed % 2**32)  # numpy takes 32-bit seeds only
+    torch.manual_seed(seed)
 
 
 def prepare_dataset(strategy: Strategy, rows, is_main: bool) -> tuple[datasets.Dataset, int]:
@@ -107,7 +141,23 @@ def build_critic(job: JobConfig, dist: DistInfo, source: str, tokenizer, steps: 
     return make_engine(model, ds_config, weight_decay=weight_decay, schedule=schedule)
 
 
+def build_policy_model(job: JobConfig, ds_config: dict, tokenizer):
+    """The policy module before its engine: `model.init` / `model.path`, then `model.init_from_checkpoint`'s
+    weights when set (loaded whole on every rank, so not partitioned while loading under ZeRO-3)."""
+    start = job.model.init_from_checkpoint
+    with zero3_loading(ds_config, job.model.zero3_init and job.model.path is not None and start is None):
+        model = build_policy(job.model, tokenizer, job.train.seed)
+    if start is not None:
+        checkpoint = load_checkpoint_weights(model, start, tokenizer)
+        logger.info(
+            "model.init_from_checkpoint: policy weights of %s; optimizer, LR schedule, step and data position "
+            "start fresh", checkpoint,
+        )
+    return model
+
+
 def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
+    seed_everything(job.train.seed)
     output_dir = Path(job.output_dir)
     rows = load_rows(job.data.path, job.data.format, output_dir / "cache" / "datasets")
     tokenizer = make_tokenizer(job, rows, output_dir, dist.is_main)
@@ -118,8 +168,7 @@ def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
     order = ShardedOrder(len(dataset), job.train.micro_batch_size, dist.world_size, dist.rank, job.train.seed, job.data.shuffle)
     steps = total_steps(job, order.samples_per_epoch, job.train.micro_batch_size * job.train.grad_accum_steps * dist.world_size)
     ds_config = engine_config(job, source, lr=job.train.lr, max_grad_norm=job.train.max_grad_norm, world_size=dist.world_size)
-    with zero3_loading(ds_config, job.model.zero3_init and job.model.path is not None):
-        model = build_policy(job.model, tokenizer, job.train.seed)
+    model = build_policy_model(job, ds_config, tokenizer)
     # DeepSpeed steps the schedule once per optimizer update; an online step (one rollout) makes several.
     # The policy does not step during online_ppo's critic warmup rollouts, so its schedule spans the rest.
     updates = strategy.optimizer_steps_per_step(dist.world_size)

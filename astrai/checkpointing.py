@@ -25,6 +25,7 @@ from astrai.checkpoint import (
 from astrai.config import dump_job, parse_yaml
 from astrai.engine import all_gather_objects, barrier
 from astrai.metrics import METRICS_FILE, trim_metrics
+from astrai.models.tokenizer import TOKENIZER_DIR, check_saved_tokenizer
 from astrai.topology import continue_position, load_portable_part, resume_source
 
 logger = logging.getLogger("astrai.checkpointing")
@@ -114,6 +115,61 @@ def carry_over(state: TrainerState, *, rank: int, world_size: int, seed: int, sa
         logger.warning("RNG: each rank's saved state restored (rule: the world size is unchanged, so rank r continues its own stream)")
 
 
+def saved_job_value(path: Path, section: str, key: str):
+    """`section.key` of the job that wrote the checkpoint (its job.yaml), or None when unknown."""
+    try:
+        return parse_yaml((path / "job.yaml").read_text())[section][key]
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def check_same_job(run, path: Path, manifest) -> None:
+    """A resume continues the job that wrote the checkpoint: refuse another train type (its optimizer
+    moments and data position belong to another objective) and another tokenizer (token ids would
+    change meaning), before anything is loaded."""
+    if manifest is not None:
+        saved_type = manifest.meta.get("train_type")
+    else:  # legacy: its job.yaml says
+        saved_type = saved_job_value(path, "train", "train_type")
+    train_type = run.job.train.train_type
+    if saved_type is not None and saved_type != train_type:
+        raise CheckpointError(
+            f"{path} is a {saved_type} checkpoint and this job is {train_type}: a resume continues the same "
+            f"train type. To start {train_type} from its weights, set model.init_from_checkpoint: {path} "
+            "(with a new output_dir)"
+        )
+    context = f"resuming from {path} (a different tokenizer cannot resume)"
+    if not check_saved_tokenizer(run.tokenizer, path / TOKENIZER_DIR, context):
+        logger.warning(
+            "%s has no %s/ (written by an earlier version): this job's tokenizer cannot be compared with its own",
+            path, TOKENIZER_DIR,
+        )
+
+
+def continue_schedule(run, path: Path, step: int) -> None:
+    """Each engine's LR at the resumed position, from this job's schedule. DeepSpeed restores the
+    optimizer's lr as the checkpoint's schedule left it (after a decay to its end: often 0); the job's
+    schedule (over its own total: train.max_steps may have grown) only takes over one update later.
+    Setting it now makes the step after the resume follow this job's schedule, without a jump."""
+    manifest = read_manifest(path)
+    saved_total = manifest.meta.get("total_steps") if manifest is not None else None
+    for name, engine in run.engines.items():
+        before, after = engine.continue_schedule()
+        if run.dist.rank != 0:
+            continue
+        if saved_total not in (None, run.total_steps) and name == "policy":
+            logger.warning(
+                "LR schedule: the checkpoint's run spanned %d steps, this job %d: the schedule continues over %d steps "
+                "(%s lr for step %d: %.4g, where the checkpoint's schedule gave %.4g)", saved_total, run.total_steps,
+                run.total_steps, name, step + 1, after, before,
+            )
+        elif before != after:
+            logger.warning(
+                "LR schedule: %s lr for step %d is %.4g from this job's schedule (the checkpoint's gave %.4g)",
+                name, step + 1, after, before,
+            )
+
+
 def is_plain_deepspeed_dir(path: Path) -> bool:
     """A folder written by DeepSpeed's own `save_checkpoint` (a `latest` file or tag folders of shards)."""
     return (path / "latest").is_file() or any(path.glob("*/*model_states.pt"))
@@ -150,6 +206,8 @@ class TrainingCheckpoints:
             if run.dist.is_main:
                 (staging / STATE_FILE).write_text(json.dumps(asdict(state), indent=1))
                 (staging / "job.yaml").write_text(dump_job(run.job))
+                # Self-contained: the ids this checkpoint trained on mean this tokenizer's tokens.
+                run.tokenizer.save_pretrained(staging / TOKENIZER_DIR)
             return streamed.digests_under(staging)
 
         meta = {
@@ -157,6 +215,7 @@ class TrainingCheckpoints:
             "zero_stage": {name: engine.zero_stage for name, engine in run.engines.items()},
             "precision": {name: engine.precision for name, engine in run.engines.items()},
             "world_size": run.dist.world_size,
+            "total_steps": run.total_steps,  # the schedule's length; a resume with another one says so
             **run.strategy.checkpoint_meta(),
         }
         if background:
@@ -195,6 +254,7 @@ class TrainingCheckpoints:
         state = TrainerState(world_size=run.dist.world_size)
         if path is not None:
             state = self._load(path)
+            continue_schedule(run, path, state.step)
         if run.dist.is_main:
             dropped = trim_metrics(run.output_dir / METRICS_FILE, state.step)
             if dropped:
@@ -205,6 +265,7 @@ class TrainingCheckpoints:
     def _load(self, path: Path) -> TrainerState:
         run = self.run
         manifest = read_manifest(path)
+        check_same_job(run, path, manifest)
         required = run.strategy.parts_to_resume(path)
         plain_deepspeed = manifest is None and is_plain_deepspeed_dir(path) and len(required) == 1
         if not plain_deepspeed:

@@ -97,12 +97,14 @@ def load_checkpoint_job(checkpoint: Path):
 
 
 def load_export_tokenizer(job, checkpoint: Path, tokenizer_dir: str | Path | None):
-    """The tokenizer the run trained with: `tokenizer_dir`, else the run's saved `<output_dir>/tokenizer`
-    (a built one), else the job's `tokenizer.path` / `model.path`."""
+    """The tokenizer the run trained with: `tokenizer_dir`, else the checkpoint's own `tokenizer/`, else the
+    run's saved `<output_dir>/tokenizer` (a built one), else the job's `tokenizer.path` / `model.path`."""
     from astrai.models.tokenizer import TokenizerError, load_tokenizer
 
     if tokenizer_dir is not None:
         candidates = [Path(tokenizer_dir)]
+    elif (checkpoint / "tokenizer").is_dir():  # written into every checkpoint since it is self-contained
+        candidates = [checkpoint / "tokenizer"]
     elif job.tokenizer.build is not None:
         # The checkpoint's own run first: a relative output_dir in job.yaml is relative to wherever
         # training ran, and could name another run's tokenizer from here.

@@ -37,6 +37,13 @@ class ModelConfig(Section):
     reference_path: str | None = Field(
         None, description="Frozen reference model for `dpo`/RL (default: the policy's starting weights)."
     )
+    init_from_checkpoint: str | None = Field(
+        None,
+        description="Start a new run from the policy weights of an AstrAI checkpoint (a `step_<N>` folder, or an "
+        "output_dir: its newest), e.g. `grpo` after `sft`. Only the weights: optimizer, LR schedule, step and data "
+        "position start fresh. `model.init`/`model.path` still give the architecture; the tokenizer must match the "
+        "checkpoint's. A checkpoint of this run's own output_dir is resumed as usual instead.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelConfig":
@@ -55,7 +62,12 @@ class TokenizerBuild(Section):
 class TokenizerConfig(Section):
     path: str | None = Field(None, description="Local tokenizer folder (default: `model.path`). Hub names fail offline with a clear error.")
     build: TokenizerBuild | None = Field(None, description="Build a tokenizer from the training data instead of loading one (small runs).")
-    chat_template: str | None = Field(None, description="Jinja chat template to set on the tokenizer (default: the tokenizer's own, else ChatML).")
+    chat_template: str | None = Field(
+        None,
+        description="Jinja chat template to set on the tokenizer (default: the tokenizer's own, else ChatML when the "
+        "tokenizer has `<|im_start|>`/`<|im_end|>` as single tokens; otherwise a train type that renders chats fails "
+        "before training).",
+    )
 
 
 class DataConfig(Section):
@@ -88,7 +100,11 @@ class TrainConfig(Section):
     adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
     max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this (null: no clipping).")
-    seed: int = Field(42, description="Seed for model init, data order and sampling.")
+    seed: int = Field(
+        42,
+        description="Seeds Python, numpy and torch on every rank before anything is built (model init, dropout, "
+        "sampling), and the data order: a rerun of the job repeats its losses exactly.",
+    )
     log_every_steps: int = Field(1, ge=1, description="Write a metrics record every N optimizer steps.")
 
     @model_validator(mode="after")

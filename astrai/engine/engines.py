@@ -86,6 +86,20 @@ class Engine:
     def lr(self) -> float:
         return float(self._engine.get_lr()[0])
 
+    def continue_schedule(self) -> tuple[float, float]:
+        """Set the optimizer's lr to this engine's schedule at its current position (after a load, which
+        restores the lr the saving run's schedule left); returns the first group's lr (before, after).
+        The schedule function is always this job's: LambdaLR saves a plain function's position, not the function."""
+        scheduler, before = self._engine.lr_scheduler, self.lr
+        if scheduler is None:
+            return before, before
+        position = scheduler.last_epoch
+        values = [base * schedule(position) for base, schedule in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+        for group, value in zip(scheduler.optimizer.param_groups, values):
+            group["lr"] = value
+        scheduler._last_lr = values  # what get_last_lr() reports, as LambdaLR.step() would set it
+        return before, self.lr
+
     @property
     def global_steps(self) -> int:
         return int(self._engine.global_steps)

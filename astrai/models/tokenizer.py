@@ -1,11 +1,15 @@
 """Tokenizers: load a local one, or build a small one from the training texts (no hub at run time).
 
 Built tokenizers use ChatML markers as single special tokens, so a chat template renders the same
-way for every kind; `<|im_end|>` is the end-of-sequence token (generation stops there).
+way for every kind; `<|im_end|>` is the end-of-sequence token (generation stops there). A loaded
+tokenizer without a chat template gets ChatML only when it has those markers as single tokens: in
+any other vocabulary they would split into pieces (or `<unk>`) and no turn would ever end.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -18,6 +22,10 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML_MARKERS = ("<|im_start|>", "<|im_end|>")
+TOKENIZER_DIR = "tokenizer"  # in every checkpoint, and in output_dir for a built tokenizer
+
+logger = logging.getLogger("astrai.tokenizer")
 
 
 class TokenizerError(Exception):
@@ -59,8 +67,10 @@ def load_tokenizer(path: str, chat_template: str | None = None) -> PreTrainedTok
         raise TokenizerError(f"tokenizer: cannot load from {path!r}: {error}") from None
     if chat_template is not None:
         tokenizer.chat_template = chat_template
-    elif tokenizer.chat_template is None:
+    elif tokenizer.chat_template is None and has_chatml_markers(tokenizer):
         tokenizer.chat_template = CHATML_TEMPLATE
+        if tokenizer.eos_token != "<|im_end|>":
+            logger.warning("%s: ChatML template set (none of its own), but its EOS is %r", path, tokenizer.eos_token)
     if tokenizer.pad_token is None:
         # Right padding is always masked out of losses, so reusing EOS as pad is safe.
         tokenizer.pad_token = tokenizer.eos_token
@@ -77,3 +87,64 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerBase, folder: str | Path) -> No
 
         shutil.rmtree(folder)
     os.replace(temporary, folder)
+
+
+def has_chatml_markers(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether `<|im_start|>` and `<|im_end|>` each encode to one known token (ChatML can render)."""
+    for marker in CHATML_MARKERS:
+        ids = tokenizer(marker, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1 or ids[0] == tokenizer.unk_token_id:
+            return False
+    return True
+
+
+def require_chat_template(tokenizer: PreTrainedTokenizerBase, source: str, train_type: str) -> None:
+    """Fail before training when a train type that renders chats has no template to render them with."""
+    if not tokenizer.chat_template:
+        raise TokenizerError(
+            f"tokenizer.chat_template: the tokenizer of {source} has no chat template and no ChatML markers "
+            f"({', '.join(CHATML_MARKERS)} as single tokens), so {train_type} cannot render its chats; set "
+            "tokenizer.chat_template to a Jinja template whose end-of-turn marker is the tokenizer's EOS"
+        )
+
+
+def _pipeline(tokenizer: PreTrainedTokenizerBase) -> dict | None:
+    """The fast backend's tokenization rules (normalizer, pre-tokenizer, model incl. BPE merges); None if slow."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    document = json.loads(backend.to_str())
+    return {key: document.get(key) for key in ("normalizer", "pre_tokenizer", "model")}
+
+
+def tokenizer_difference(current: PreTrainedTokenizerBase, saved: PreTrainedTokenizerBase) -> str | None:
+    """The first difference between two tokenizers that changes what token ids mean or how a chat
+    renders (vocabulary, tokenization rules, special tokens, chat template); None when they agree."""
+    current_vocab, saved_vocab = current.get_vocab(), saved.get_vocab()
+    if current_vocab != saved_vocab:
+        changed = sorted(set(current_vocab.items()) ^ set(saved_vocab.items()), key=lambda item: item[1])
+        token = changed[0][0]
+        return (f"vocabulary differs ({len(saved_vocab)} -> {len(current_vocab)} tokens; e.g. {token!r}: id "
+                f"{saved_vocab.get(token)} -> {current_vocab.get(token)})")
+    if _pipeline(current) != _pipeline(saved):
+        return "tokenization rules differ (normalizer, pre-tokenizer or merges)"
+    for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+        if getattr(current, name) != getattr(saved, name):
+            return f"{name} differs ({getattr(saved, name)!r} -> {getattr(current, name)!r})"
+    if sorted(current.all_special_tokens) != sorted(saved.all_special_tokens):
+        return f"special tokens differ ({sorted(saved.all_special_tokens)} -> {sorted(current.all_special_tokens)})"
+    if current.chat_template != saved.chat_template:
+        return "chat_template differs"
+    return None
+
+
+def check_saved_tokenizer(tokenizer: PreTrainedTokenizerBase, folder: str | Path, context: str) -> bool:
+    """Refuse `tokenizer` when it differs from the one saved in `folder` (its ids would mean other
+    tokens there); False when `folder` holds none to compare with. `context` starts the message."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return False
+    difference = tokenizer_difference(tokenizer, load_tokenizer(str(folder)))
+    if difference is not None:
+        raise TokenizerError(f"{context}: this job's tokenizer differs from {folder}: {difference}")
+    return True

@@ -22,6 +22,7 @@ class Strategy:
     loop: ClassVar[str]  # "offline" or "online"
     required_parts: ClassVar[tuple[str, ...]] = ("policy",)  # what a checkpoint must hold to resume this train type
     engine_parts: ClassVar[tuple[str, ...]] = ("policy",)  # the trainable engines build_run makes (online_ppo adds "critic")
+    renders_chats: ClassVar[bool] = True  # rows go through the tokenizer's chat template (not seq's plain text)
 
     def __init__(self, job, tokenizer):
         self.job = job

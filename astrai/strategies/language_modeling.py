@@ -44,6 +44,7 @@ class SeqStrategy(LanguageModelingStrategy):
     """Pre-training: text packed into blocks of `data.max_seq_len` tokens, every token trained."""
 
     name = "seq"
+    renders_chats = False
 
     def prepare_data(self, rows: Rows) -> tuple[datasets.Dataset, int]:
         field, skipped = self.job.data.text_field, 0

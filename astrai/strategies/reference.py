@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from astrai.engine import FrozenEngine, make_frozen_engine, zero3_loading
+from astrai.models.checkpoint_weights import load_checkpoint_weights
 from astrai.models.policy import build_policy
 
 
@@ -17,8 +18,11 @@ def reference_model(job, tokenizer, ds_config: dict) -> tuple[torch.nn.Module, s
     if model_config.reference_path is not None:
         model_config = model_config.model_copy(update={"path": model_config.reference_path, "init": None})
     source = model_config.path or f"model.init (seed {job.train.seed}): the policy's starting weights"
-    with zero3_loading(ds_config, model_config.zero3_init and model_config.path is not None):
+    start = job.model.init_from_checkpoint if model_config.reference_path is None else None
+    with zero3_loading(ds_config, model_config.zero3_init and model_config.path is not None and start is None):
         model = build_policy(model_config, tokenizer, job.train.seed)
+    if start is not None:  # the policy's starting weights are that checkpoint's
+        source = f"model.init_from_checkpoint {load_checkpoint_weights(model, start)}: the policy's starting weights"
     return model, source
 
 
