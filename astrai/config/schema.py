@@ -37,6 +37,12 @@ class ModelConfig(Section):
     reference_path: str | None = Field(
         None, description="Frozen reference model for `dpo`/RL (default: the policy's starting weights)."
     )
+    disable_dropout: bool = Field(
+        True,
+        description="Set every dropout probability of the policy, critic and reference to 0 when they are built "
+        "(modules, attention floats, config fields; logged), so that the loss forwards are deterministic: "
+        "ratio 1 and KL 0 at the first RL step, DPO rewards 0 at step 0. An export keeps the model's own values.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelConfig":

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger("astrai.models")
+
+# Names of the dropout probabilities transformers models keep besides nn.Dropout modules: config fields
+# (attn_pdrop, resid_pdrop, embd_pdrop, hidden_dropout, attention_dropout, activation_dropout, layerdrop, ...)
+# and the float copies attention and decoder layers take of them at construction (OPT's `self.dropout`).
+DROPOUT_NAME = re.compile(r"dropout|pdrop|layerdrop", re.IGNORECASE)
 
 
 class ModelError(Exception):
@@ -40,10 +49,56 @@ def build_policy(model_config, tokenizer: PreTrainedTokenizerBase, seed: int) ->
     rows = embedding_rows(model)
     if len(tokenizer) > rows:
         raise ModelError(f"tokenizer has {len(tokenizer)} tokens but the model's embedding has {rows}")
+    if model_config.disable_dropout:
+        changed = disable_dropout(model)
+        logger.info("model.disable_dropout: %d dropout probabilities of %s set to 0", changed, type(model).__name__)
     if model_config.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
     return model
+
+
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Set every dropout probability of `model` to 0, in place; returns how many were not 0 already.
+
+    Switching modules to eval() is not enough and not what the loops do: the trainable engines stay in
+    train() mode for every forward (loss, behaviour log-probs, values). nn.Dropout modules get p = 0, as
+    TRL's `disable_dropout_in_model` does; that alone misses the functional dropout many architectures
+    apply with a float they copied from the config (GPT-2's and OPT's attention, OPT's decoder layers) or
+    read from the config at each forward (Falcon, GPT-Neo), so those floats and the config fields are
+    zeroed too. A config shared by several modules is zeroed once."""
+    changed = 0
+    configs: dict[int, PreTrainedConfig] = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            changed += module.p != 0
+            module.p = 0.0
+        changed += _zero_dropout_floats(module)
+        config = getattr(module, "config", None)
+        if isinstance(config, PreTrainedConfig):
+            configs[id(config)] = config
+    for config in configs.values():
+        changed += _zero_config_dropout(config)
+    return changed
+
+
+def _zero_dropout_floats(owner) -> int:
+    """Zero the numeric attributes of `owner` (a module or a config) named like a dropout probability."""
+    changed = 0
+    for name, value in list(vars(owner).items()):
+        if DROPOUT_NAME.search(name) and isinstance(value, float | int) and not isinstance(value, bool):
+            changed += value != 0
+            setattr(owner, name, 0.0)  # through setattr: a config validates and maps its fields
+    return changed
+
+
+def _zero_config_dropout(config: PreTrainedConfig) -> int:
+    """Zero a config's dropout fields, and those of its sub-configs (e.g. a `text_config`)."""
+    changed = _zero_dropout_floats(config)
+    for value in vars(config).values():
+        if isinstance(value, PreTrainedConfig):
+            changed += _zero_config_dropout(value)
+    return changed
 
 
 def embedding_rows(model) -> int:
