@@ -16,7 +16,7 @@ import datasets
 import torch
 
 from astrai.algos.dpo import dpo_loss
-from astrai.algos.logprobs import sequence_logprobs, shift_for_next_token, token_logprobs
+from astrai.algos.logprobs import real_vocabulary, sequence_logprobs, shift_for_next_token, token_logprobs
 from astrai.data import render_rows
 from astrai.data.collate import pad_right
 from astrai.data.render import preference_batch
@@ -28,10 +28,11 @@ logger = logging.getLogger("astrai.dpo")
 REFERENCE_COLUMNS = ("reference_chosen_logps", "reference_rejected_logps")
 
 
-def completion_logprobs(model, batch: dict, average: bool = False) -> torch.Tensor:
+def completion_logprobs(model, batch: dict, average: bool = False, vocab_size: int | None = None) -> torch.Tensor:
     """Log-probs of each sequence's completion tokens, summed (or averaged, as IPO scores
-    completions): [2B] for a batch of 2B sequences."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    completions): [2B] for a batch of 2B sequences. vocab_size: the tokenizer's length, over whose ids
+    they normalise (a padded model vocabulary's extra rows take no probability; None: all ids)."""
+    logits = real_vocabulary(model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits, vocab_size)
     shifted_logits, labels, mask = shift_for_next_token(logits, batch["input_ids"], batch["loss_mask"])
     logps = sequence_logprobs(token_logprobs(shifted_logits, labels), mask)
     return logps / mask.sum(dim=-1).clamp(min=1) if average else logps
@@ -64,7 +65,7 @@ class DpoStrategy(Strategy):
         for round_index in range(rounds):
             indices = own[round_index * micro : (round_index + 1) * micro] or own[:1]
             batch = self._to_device(self.collate([run.dataset[i] for i in indices]))
-            logps = completion_logprobs(self.reference, batch, average=self.job.dpo.loss == "ipo")
+            logps = completion_logprobs(self.reference, batch, average=self.job.dpo.loss == "ipo", vocab_size=len(self.tokenizer))
             pairs = len(indices)
             for position, index in enumerate(indices):
                 results[index] = (float(logps[position]), float(logps[pairs + position]))
@@ -103,10 +104,10 @@ class DpoStrategy(Strategy):
         pairs = batch["input_ids"].shape[0] // 2
         settings = self.job.dpo
         average = settings.loss == "ipo"  # IPO's paper scores completions by their mean token log-prob
-        logps = completion_logprobs(policy, batch, average)
+        logps = completion_logprobs(policy, batch, average, len(self.tokenizer))
         reference = batch.get("reference_logps")
         if reference is None:
-            reference = completion_logprobs(self.reference, batch, average)
+            reference = completion_logprobs(self.reference, batch, average, len(self.tokenizer))
         output = dpo_loss(
             logps[:pairs], logps[pairs:], reference[:pairs], reference[pairs:],
             beta=settings.beta, loss_type=settings.loss, label_smoothing=settings.label_smoothing,

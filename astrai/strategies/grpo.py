@@ -54,7 +54,8 @@ class GrpoStrategy(OnlineStrategy):
         targets["advantages"] = grpo_advantages(rollout.rewards, rollout.group_size, normalize_std=self.job.rl.normalize_advantage_std)
         if self.reference is not None:
             targets["reference_logprobs"] = response_logprobs(
-                self.reference, targets, temperature=self.job.rollout.temperature, batch_size=self.geometry.micro_batch_size
+                self.reference, targets, temperature=self.job.rollout.temperature, batch_size=self.geometry.micro_batch_size,
+                vocab_size=len(self.tokenizer),
             )
         return targets
 
@@ -62,7 +63,7 @@ class GrpoStrategy(OnlineStrategy):
         """Clipped surrogate + kl_coef * k3, over response tokens [B, R]; `normalizer` = the optimizer
         step's global loss units / (ranks x accumulation), so DeepSpeed's averaging yields their mean."""
         settings, mask = self.job.rl, batch["response_mask"]
-        logits = response_logits(policy, batch, self.job.rollout.temperature)  # [B, R, vocab]
+        logits = response_logits(policy, batch, self.job.rollout.temperature, len(self.tokenizer))  # [B, R, vocab]
         logprobs = masked_token_logprobs(logits, batch["response_ids"], mask)
         token_advantages = broadcast_sequence_advantages(batch["advantages"], mask)
         token_mean = settings.loss_aggregation == "token_mean"

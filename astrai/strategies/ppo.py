@@ -134,7 +134,10 @@ class PPOStrategy(OnlineStrategy):
         if self.reference is None:
             return torch.zeros_like(targets["behaviour_logprobs"])
         settings = self.job.rl
-        reference = response_logprobs(self.reference, targets, temperature=self.job.rollout.temperature, batch_size=self.geometry.micro_batch_size)
+        reference = response_logprobs(
+            self.reference, targets, temperature=self.job.rollout.temperature, batch_size=self.geometry.micro_batch_size,
+            vocab_size=len(self.tokenizer),
+        )
         if not settings.kl_in_reward:
             targets["reference_logprobs"] = reference
         kl = kl_estimate(targets["behaviour_logprobs"], reference, settings.kl_estimator, max_log_ratio=settings.kl_max_log_ratio)
@@ -162,7 +165,7 @@ class PPOStrategy(OnlineStrategy):
         """Clipped surrogate on the pinned advantages [B, R] (- entropy bonus, + KL if not in the reward);
         `normalizer` = the optimizer step's global loss units / (ranks x accumulation), as in grpo."""
         settings, mask = self.job.rl, batch["response_mask"]
-        logits = response_logits(policy, batch, self.job.rollout.temperature)  # [B, R, vocab]
+        logits = response_logits(policy, batch, self.job.rollout.temperature, len(self.tokenizer))  # [B, R, vocab]
         logprobs = masked_token_logprobs(logits, batch["response_ids"], mask)
         token_mean = settings.loss_aggregation == "token_mean"
         surrogate = ppo_policy_loss(
