@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import os
 import re
@@ -49,6 +51,13 @@ def build_policy(model_config, tokenizer: PreTrainedTokenizerBase, seed: int) ->
     rows = embedding_rows(model)
     if len(tokenizer) > rows:
         raise ModelError(f"tokenizer has {len(tokenizer)} tokens but the model's embedding has {rows}")
+    coefficient = router_aux_loss_coef(model_config.router_aux_loss_coef, model)
+    if model_config.router_aux_loss_coef and not routes_tokens(model):
+        name = type(model).__name__
+        raise ModelError(f"model.router_aux_loss_coef: {name} has no mixture-of-experts router (use null or 0)")
+    if coefficient > 0:
+        logger.info("router load-balancing loss: %g x aux_loss added to the loss (model.router_aux_loss_coef)",
+                    coefficient)
     if model_config.disable_dropout:
         changed = disable_dropout(model)
         logger.info("model.disable_dropout: %d dropout probabilities of %s set to 0", changed, type(model).__name__)
@@ -99,6 +108,27 @@ def _zero_config_dropout(config: PreTrainedConfig) -> int:
         if isinstance(value, PreTrainedConfig):
             changed += _zero_config_dropout(value)
     return changed
+
+
+def routes_tokens(model) -> bool:
+    """Whether the causal LM under `model` (an engine wraps it as `.module`) is a mixture of experts that
+    can return its router's load-balancing loss (`output_router_logits`: Qwen2-MoE, Mixtral, ...)."""
+    return _forward_takes_router_logits(type(getattr(model, "module", model)))
+
+
+@functools.cache
+def _forward_takes_router_logits(model_class: type) -> bool:
+    return "output_router_logits" in inspect.signature(model_class.forward).parameters
+
+
+def router_aux_loss_coef(setting: float | None, model) -> float:
+    """`model.router_aux_loss_coef` resolved for `model`: null -> the model config's own `router_aux_loss_coef`
+    (transformers' default 0.001 for Qwen2-MoE and Mixtral), 0 -> off; 0 for a model without a router."""
+    if not routes_tokens(model):
+        return 0.0
+    if setting is None:
+        return float(getattr(getattr(model, "module", model).config, "router_aux_loss_coef", 0.0) or 0.0)
+    return float(setting)
 
 
 def embedding_rows(model) -> int:

@@ -111,7 +111,9 @@ def load_value_model(folder: str | Path, **kwargs) -> ValueModel:
 
 def build_value_model(model_config, tokenizer, seed: int, critic_path: str | None = None) -> ValueModel:
     """The critic: from `critic_path`, else warm-started from the policy's own source (see the module docstring)."""
-    from astrai.models.policy import ModelError, attention_implementation, build_policy, disable_dropout, embedding_rows, logger
+    from astrai.models.policy import (
+        ModelError, attention_implementation, build_policy, disable_dropout, embedding_rows, logger,
+    )
 
     if critic_path is None:
         return ValueModel(trunk_of(build_policy(model_config, tokenizer, seed)))

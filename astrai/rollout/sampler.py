@@ -53,8 +53,8 @@ class TokenSampler:
     """
 
     def __init__(
-        self, temperature: float, top_k: int, top_p: float, *, keep_logprobs: bool, chunk_elements: int = CHUNK_ELEMENTS,
-        vocab_size: int | None = None,
+        self, temperature: float, top_k: int, top_p: float, *, keep_logprobs: bool,
+        chunk_elements: int = CHUNK_ELEMENTS, vocab_size: int | None = None,
     ):
         from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 

@@ -76,7 +76,16 @@ def join_sequences(
     }
 
 
-def response_logits(model, sequences: dict[str, torch.Tensor], temperature: float = 1.0, vocab_size: int | None = None) -> torch.Tensor:
+def response_logits(
+    model, sequences: dict[str, torch.Tensor], temperature: float = 1.0, vocab_size: int | None = None
+) -> torch.Tensor:
+    """`response_forward`'s logits [N, R, vocab]."""
+    return response_forward(model, sequences, temperature, vocab_size)[0]
+
+
+def response_forward(
+    model, sequences: dict[str, torch.Tensor], temperature: float = 1.0, vocab_size: int | None = None, **options
+):
     """Logits that predict each response token: [N, R, vocab], divided by `temperature`; with `vocab_size`
     (the tokenizer's length) only the first vocab_size ids, those the sampler may draw (a padded model
     vocabulary's extra rows are cut: `algos.logprobs.real_vocabulary`).
@@ -85,16 +94,19 @@ def response_logits(model, sequences: dict[str, torch.Tensor], temperature: floa
     model); `sequences` holds input_ids, attention_mask, position_ids [N, P + R] and response_ids
     [N, R]. Dividing by the sampling temperature makes these the log-probs of the distribution the
     tokens were sampled from (as TRL and verl do), so ratios and KL compare like with like.
+    Returns (logits, the model's whole output); `options` go to the forward (e.g. output_router_logits).
     """
     response_len = sequences["response_ids"].shape[1]
     prompt_len = sequences["input_ids"].shape[1] - response_len
     inputs = {key: sequences[key] for key in ("input_ids", "attention_mask", "position_ids")}
     if _keeps_logits(model):  # the LM head over the last R + 1 columns only, not over the whole prompt
-        logits = model(**inputs, logits_to_keep=response_len + 1).logits[:, :response_len]
+        output = model(**inputs, **options, logits_to_keep=response_len + 1)
+        logits = output.logits[:, :response_len]
     else:
-        logits = model(**inputs).logits[:, prompt_len - 1 : prompt_len - 1 + response_len]
+        output = model(**inputs, **options)
+        logits = output.logits[:, prompt_len - 1 : prompt_len - 1 + response_len]
     logits = real_vocabulary(logits, vocab_size)
-    return logits if temperature == 1.0 else logits / temperature
+    return (logits if temperature == 1.0 else logits / temperature), output
 
 
 def _keeps_logits(model) -> bool:
