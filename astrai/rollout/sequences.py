@@ -85,7 +85,7 @@ def response_logits(
 
 def response_forward(
     model, sequences: dict[str, torch.Tensor], temperature: float = 1.0, vocab_size: int | None = None, **options
-):
+) -> tuple[torch.Tensor, object]:
     """Logits that predict each response token: [N, R, vocab], divided by `temperature`; with `vocab_size`
     (the tokenizer's length) only the first vocab_size ids, those the sampler may draw (a padded model
     vocabulary's extra rows are cut: `algos.logprobs.real_vocabulary`).

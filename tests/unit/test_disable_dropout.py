@@ -18,7 +18,10 @@ from transformers import FalconConfig, GPT2Config, OPTConfig
 
 from astrai.build import build_run
 from astrai.config import load_job
-from astrai.models.policy import disable_dropout
+from astrai.config.schema import ModelConfig
+from astrai.models.policy import build_policy, disable_dropout
+from astrai.models.tokenizer import build_tokenizer
+from astrai.models.value import ValueModel, build_value_model, trunk_of
 from astrai.rollout.sequences import masked_token_logprobs, response_logits
 from astrai.trainer import train_offline, train_online
 from tests.conftest import REPO
@@ -76,6 +79,23 @@ def test_a_model_in_train_mode_gives_the_same_logits_twice(config, attention):
     assert disable_dropout(model) > 0
     assert model.training and torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
     assert disable_dropout(model) == 0  # nothing left to switch off
+
+
+@pytest.mark.parametrize("disabled", [True, False])
+def test_a_critic_from_critic_path_and_the_policy_are_deterministic_in_train_mode(tmp_path, disabled):
+    tokenizer = build_tokenizer("char", ["0123456789+-="])
+    settings = ModelConfig.model_validate({"init": {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64},
+                                           "disable_dropout": disabled})
+    with_dropout = settings.model_copy(update={"disable_dropout": False})
+    ValueModel(trunk_of(build_policy(with_dropout, tokenizer, 0))).save_pretrained(tmp_path / "critic")
+    ids = torch.randint(0, len(tokenizer), (2, 10), generator=torch.Generator().manual_seed(0))
+    policy = build_policy(settings, tokenizer, 0).train()
+    critic = build_value_model(settings, tokenizer, 0, critic_path=str(tmp_path / "critic")).train()
+    with torch.no_grad():
+        assert torch.equal(policy(input_ids=ids).logits, policy(input_ids=ids).logits) == disabled
+        hidden = [critic.trunk(input_ids=ids).last_hidden_state for _ in range(2)]  # (the value head is still 0)
+        assert torch.equal(*hidden) == disabled
+    assert (policy.config.attn_pdrop == 0.0) == disabled
 
 
 def check_first_ratio(run, checks: list):
