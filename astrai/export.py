@@ -138,7 +138,9 @@ def build_skeleton(job, tokenizer):
         if job.model.init is not None:
             # build_policy itself, so that vocab size, special ids and any future default match training;
             # training-only switches are turned off, and its seeding must not touch the caller's RNG.
-            model_config = job.model.model_copy(update={"gradient_checkpointing": False, "attn_implementation": None})
+            # disable_dropout off: the exported config.json keeps the architecture's own dropout values.
+            update = {"gradient_checkpointing": False, "attn_implementation": None, "disable_dropout": False}
+            model_config = job.model.model_copy(update=update)
             with torch.random.fork_rng(devices=[]), torch.device("meta"):
                 return build_policy(model_config, tokenizer, job.train.seed)
         if not Path(job.model.path).is_dir():

@@ -11,6 +11,11 @@ Results are float32 whatever the logits' dtype: bfloat16 has ~3 significant digi
 the log-ratios PPO and DPO take of these numbers.
 
 Labels < 0 (the -100 "ignore index" of Hugging Face) are allowed and give 0; mask them out.
+
+Padded vocabularies: a model's output layer often has more rows than its tokenizer has tokens (vocab
+padded to a multiple of 64 or 128). Those ids decode to nothing, so they are never sampled and must not
+take probability mass from the real ones either: `real_vocabulary` cuts the logits to the tokenizer's ids
+before any softmax, and every log-prob then renormalises over the real vocabulary.
 """
 
 import torch
@@ -20,6 +25,16 @@ from astrai.algos.masked import masked_sum
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def real_vocabulary(logits: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
+    """logits[..., :vocab_size]: the scores of the ids the tokenizer has (a view, no copy).
+
+    logits: [..., model_vocab]; vocab_size: the tokenizer's length, None (or >= model_vocab) for all.
+    """
+    if vocab_size is None or vocab_size >= logits.shape[-1]:
+        return logits
+    return logits[..., :vocab_size]
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

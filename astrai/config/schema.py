@@ -44,6 +44,19 @@ class ModelConfig(Section):
         "position start fresh. `model.init`/`model.path` still give the architecture; the tokenizer must match the "
         "checkpoint's. A checkpoint of this run's own output_dir is resumed as usual instead.",
     )
+    disable_dropout: bool = Field(
+        True,
+        description="Set every dropout probability of the policy, critic and reference to 0 when they are built "
+        "(modules, attention floats, config fields; logged), so that the loss forwards are deterministic: "
+        "ratio 1 and KL 0 at the first RL step, DPO rewards 0 at step 0. An export keeps the model's own values.",
+    )
+    router_aux_loss_coef: float | None = Field(
+        None,
+        ge=0,
+        description="Mixture-of-experts policies (Qwen2-MoE, Mixtral): weight of the router's load-balancing loss "
+        "added to every train type's loss (metric `router_aux_loss`). null: the model config's own "
+        "`router_aux_loss_coef`; 0: off. A model without a router takes null or 0 only.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelConfig":

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
 import os
+import re
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger("astrai.models")
+
+# Names of the dropout probabilities transformers models keep besides nn.Dropout modules: config fields
+# (attn_pdrop, resid_pdrop, embd_pdrop, hidden_dropout, attention_dropout, activation_dropout, layerdrop, ...)
+# and the float copies attention and decoder layers take of them at construction (OPT's `self.dropout`).
+DROPOUT_NAME = re.compile(r"dropout|pdrop|layerdrop", re.IGNORECASE)
 
 
 class ModelError(Exception):
@@ -40,10 +51,84 @@ def build_policy(model_config, tokenizer: PreTrainedTokenizerBase, seed: int) ->
     rows = embedding_rows(model)
     if len(tokenizer) > rows:
         raise ModelError(f"tokenizer has {len(tokenizer)} tokens but the model's embedding has {rows}")
+    coefficient = router_aux_loss_coef(model_config.router_aux_loss_coef, model)
+    if model_config.router_aux_loss_coef and not routes_tokens(model):
+        name = type(model).__name__
+        raise ModelError(f"model.router_aux_loss_coef: {name} has no mixture-of-experts router (use null or 0)")
+    if coefficient > 0:
+        logger.info("router load-balancing loss: %g x aux_loss added to the loss (model.router_aux_loss_coef)",
+                    coefficient)
+    if model_config.disable_dropout:
+        changed = disable_dropout(model)
+        logger.info("model.disable_dropout: %d dropout probabilities of %s set to 0", changed, type(model).__name__)
     if model_config.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
     return model
+
+
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Set every dropout probability of `model` to 0, in place; returns how many were not 0 already.
+
+    Switching modules to eval() is not enough and not what the loops do: the trainable engines stay in
+    train() mode for every forward (loss, behaviour log-probs, values). nn.Dropout modules get p = 0, as
+    TRL's `disable_dropout_in_model` does; that alone misses the functional dropout many architectures
+    apply with a float they copied from the config (GPT-2's and OPT's attention, OPT's decoder layers) or
+    read from the config at each forward (Falcon, GPT-Neo), so those floats and the config fields are
+    zeroed too. A config shared by several modules is zeroed once."""
+    changed = 0
+    configs: dict[int, PreTrainedConfig] = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            changed += module.p != 0
+            module.p = 0.0
+        changed += _zero_dropout_floats(module)
+        config = getattr(module, "config", None)
+        if isinstance(config, PreTrainedConfig):
+            configs[id(config)] = config
+    for config in configs.values():
+        changed += _zero_config_dropout(config)
+    return changed
+
+
+def _zero_dropout_floats(owner) -> int:
+    """Zero the numeric attributes of `owner` (a module or a config) named like a dropout probability."""
+    changed = 0
+    for name, value in list(vars(owner).items()):
+        if DROPOUT_NAME.search(name) and isinstance(value, float | int) and not isinstance(value, bool):
+            changed += value != 0
+            setattr(owner, name, 0.0)  # through setattr: a config validates and maps its fields
+    return changed
+
+
+def _zero_config_dropout(config: PreTrainedConfig) -> int:
+    """Zero a config's dropout fields, and those of its sub-configs (e.g. a `text_config`)."""
+    changed = _zero_dropout_floats(config)
+    for value in vars(config).values():
+        if isinstance(value, PreTrainedConfig):
+            changed += _zero_config_dropout(value)
+    return changed
+
+
+def routes_tokens(model) -> bool:
+    """Whether the causal LM under `model` (an engine wraps it as `.module`) is a mixture of experts that
+    can return its router's load-balancing loss (`output_router_logits`: Qwen2-MoE, Mixtral, ...)."""
+    return _forward_takes_router_logits(type(getattr(model, "module", model)))
+
+
+@functools.cache
+def _forward_takes_router_logits(model_class: type) -> bool:
+    return "output_router_logits" in inspect.signature(model_class.forward).parameters
+
+
+def router_aux_loss_coef(setting: float | None, model) -> float:
+    """`model.router_aux_loss_coef` resolved for `model`: null -> the model config's own `router_aux_loss_coef`
+    (transformers' default 0.001 for Qwen2-MoE and Mixtral), 0 -> off; 0 for a model without a router."""
+    if not routes_tokens(model):
+        return 0.0
+    if setting is None:
+        return float(getattr(getattr(model, "module", model).config, "router_aux_loss_coef", 0.0) or 0.0)
+    return float(setting)
 
 
 def embedding_rows(model) -> int:

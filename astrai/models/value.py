@@ -111,7 +111,9 @@ def load_value_model(folder: str | Path, **kwargs) -> ValueModel:
 
 def build_value_model(model_config, tokenizer, seed: int, critic_path: str | None = None) -> ValueModel:
     """The critic: from `critic_path`, else warm-started from the policy's own source (see the module docstring)."""
-    from astrai.models.policy import ModelError, attention_implementation, build_policy, embedding_rows
+    from astrai.models.policy import (
+        ModelError, attention_implementation, build_policy, disable_dropout, embedding_rows, logger,
+    )
 
     if critic_path is None:
         return ValueModel(trunk_of(build_policy(model_config, tokenizer, seed)))
@@ -120,6 +122,9 @@ def build_value_model(model_config, tokenizer, seed: int, critic_path: str | Non
     embeddings = embedding_rows(critic.trunk)
     if len(tokenizer) > embeddings:
         raise ModelError(f"critic.path: tokenizer has {len(tokenizer)} tokens but the critic's embedding has {embeddings}")
+    if model_config.disable_dropout:  # a warm-started critic's trunk had it done by build_policy
+        changed = disable_dropout(critic)
+        logger.info("model.disable_dropout: %d dropout probabilities of the critic (%s) set to 0", changed, critic_path)
     if model_config.gradient_checkpointing:
         critic.trunk.gradient_checkpointing_enable()
     return critic

@@ -217,7 +217,9 @@ def sample_responses(
     from transformers import LogitsProcessorList
 
     if sampler is None:
-        sampler = TokenSampler(settings.temperature, settings.top_k, settings.top_p, keep_logprobs=False)
+        sampler = TokenSampler(
+            settings.temperature, settings.top_k, settings.top_p, keep_logprobs=False, vocab_size=len(tokenizer)
+        )
 
     mode = getattr(settings, "zero3_generation", "copy")
     # Only the partitioned module's forwards are collectives: then a rank whose responses all ended keeps stepping.
@@ -264,7 +266,10 @@ def generate_rollout(
     prompts, prompt_mask = (tensor.to(device) for tensor in left_pad(repeated, tokenizer.pad_token_id))
     source = behaviour_logprobs_source(getattr(settings, "behaviour_logprobs", "recompute"), getattr(engine, "precision", None))
     from_sampler = behaviour_logprobs and source == "sampler"
-    sampler = TokenSampler(settings.temperature, settings.top_k, settings.top_p, keep_logprobs=from_sampler)
+    # vocab_size: a model vocabulary padded past the tokenizer samples, and scores, only the tokenizer's ids.
+    sampler = TokenSampler(
+        settings.temperature, settings.top_k, settings.top_p, keep_logprobs=from_sampler, vocab_size=len(tokenizer)
+    )
     with forked_rng(seed, device):
         response_ids = sample_responses(engine, prompts, prompt_mask, settings, tokenizer, sampler)
     mask = response_mask(response_ids, tokenizer.eos_token_id)
@@ -274,7 +279,10 @@ def generate_rollout(
         behaviour = sampler.logprobs(response_ids, mask)
     else:
         sequences = join_sequences(prompts, prompt_mask, response_ids, mask)
-        behaviour = response_logprobs(engine, sequences, temperature=settings.temperature, batch_size=logprob_batch_size)
+        behaviour = response_logprobs(
+            engine, sequences, temperature=settings.temperature, batch_size=logprob_batch_size,
+            vocab_size=len(tokenizer),
+        )
     prompt_texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
     response_texts = [tokenizer.decode(ids[keep.bool()].tolist(), skip_special_tokens=True) for ids, keep in zip(response_ids, mask)]
     return RolloutResult(

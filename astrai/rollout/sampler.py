@@ -12,6 +12,10 @@ TopKLogitsWarper, TopPLogitsWarper, in generate's order). generate runs in greed
 processor last: it returns -inf for every token but the one drawn, so generate's argmax takes it and
 its stopping, padding and KV cache work as they always do.
 
+Padded vocabularies: with `vocab_size` (the tokenizer's length) the ids past it, rows of a padded output
+layer that the tokenizer cannot decode, are cut off before the warpers: never drawn, and the kept
+log-probs renormalise over the real vocabulary, as the losses' do (`algos.logprobs.real_vocabulary`).
+
 Behaviour log-probs (`keep_logprobs`): the drawn token's log-prob under the model's raw logits, full
 softmax at the sampling temperature (what the loss's forward computes), not under the top_k/top_p-
 truncated distribution it was drawn from; kept for the step it is drawn at, so nothing [N, vocab]
@@ -21,6 +25,8 @@ outlives the step.
 from __future__ import annotations
 
 import torch
+
+from astrai.algos.logprobs import real_vocabulary
 
 # Rows are drawn in chunks of at most this many vocabulary entries: the float64 probabilities and their
 # cumulative sum are two [rows, vocab] tensors, 1.2 GB for 512 rollouts x a 150k vocabulary at once.
@@ -43,9 +49,13 @@ class TokenSampler:
 
     temperature, top_k (0: off), top_p (1: off): the sampling knobs, as `rollout:` sets them.
     keep_logprobs: record each drawn token's log-prob (`logprobs()` returns them once generate is done).
+    vocab_size: the tokenizer's length; ids from it on are never drawn (None: every id of the model).
     """
 
-    def __init__(self, temperature: float, top_k: int, top_p: float, *, keep_logprobs: bool, chunk_elements: int = CHUNK_ELEMENTS):
+    def __init__(
+        self, temperature: float, top_k: int, top_p: float, *, keep_logprobs: bool,
+        chunk_elements: int = CHUNK_ELEMENTS, vocab_size: int | None = None,
+    ):
         from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
         warpers = []
@@ -59,10 +69,11 @@ class TokenSampler:
         self.temperature = temperature
         self.keep_logprobs = keep_logprobs
         self.chunk_elements = chunk_elements
+        self.vocab_size = vocab_size
         self.steps: list[torch.Tensor] = []  # [N] log-prob of the token drawn at each step
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        logits = scores.float()
+        logits = real_vocabulary(scores, self.vocab_size).float()  # [N, vocab_size]: drawn ids index `scores` too
         warped = self.warpers(input_ids, logits)
         uniforms = torch.rand(logits.shape[0], device=logits.device)  # float32: < 1 - 2^-24, so u x total < total
         rows = max(1, self.chunk_elements // logits.shape[-1])

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from astrai.algos.logprobs import token_logprobs
+from astrai.algos.logprobs import real_vocabulary, token_logprobs
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,22 +76,37 @@ def join_sequences(
     }
 
 
-def response_logits(model, sequences: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
-    """Logits that predict each response token: [N, R, vocab], divided by `temperature`.
+def response_logits(
+    model, sequences: dict[str, torch.Tensor], temperature: float = 1.0, vocab_size: int | None = None
+) -> torch.Tensor:
+    """`response_forward`'s logits [N, R, vocab]."""
+    return response_forward(model, sequences, temperature, vocab_size)[0]
+
+
+def response_forward(
+    model, sequences: dict[str, torch.Tensor], temperature: float = 1.0, vocab_size: int | None = None, **options
+) -> tuple[torch.Tensor, object]:
+    """Logits that predict each response token: [N, R, vocab], divided by `temperature`; with `vocab_size`
+    (the tokenizer's length) only the first vocab_size ids, those the sampler may draw (a padded model
+    vocabulary's extra rows are cut: `algos.logprobs.real_vocabulary`).
 
     `model` is anything called like a transformers causal LM (an engine, a frozen engine, a bare
     model); `sequences` holds input_ids, attention_mask, position_ids [N, P + R] and response_ids
     [N, R]. Dividing by the sampling temperature makes these the log-probs of the distribution the
     tokens were sampled from (as TRL and verl do), so ratios and KL compare like with like.
+    Returns (logits, the model's whole output); `options` go to the forward (e.g. output_router_logits).
     """
     response_len = sequences["response_ids"].shape[1]
     prompt_len = sequences["input_ids"].shape[1] - response_len
     inputs = {key: sequences[key] for key in ("input_ids", "attention_mask", "position_ids")}
     if _keeps_logits(model):  # the LM head over the last R + 1 columns only, not over the whole prompt
-        logits = model(**inputs, logits_to_keep=response_len + 1).logits[:, :response_len]
+        output = model(**inputs, **options, logits_to_keep=response_len + 1)
+        logits = output.logits[:, :response_len]
     else:
-        logits = model(**inputs).logits[:, prompt_len - 1 : prompt_len - 1 + response_len]
-    return logits if temperature == 1.0 else logits / temperature
+        output = model(**inputs, **options)
+        logits = output.logits[:, prompt_len - 1 : prompt_len - 1 + response_len]
+    logits = real_vocabulary(logits, vocab_size)
+    return (logits if temperature == 1.0 else logits / temperature), output
 
 
 def _keeps_logits(model) -> bool:
@@ -127,8 +142,11 @@ def masked_token_logprobs(logits: torch.Tensor, response_ids: torch.Tensor, mask
 
 
 @torch.no_grad()
-def response_logprobs(model, sequences: dict[str, torch.Tensor], *, temperature: float, batch_size: int) -> torch.Tensor:
-    """Per-token log-probs of the responses under `model`, no gradient: [N, R] float32, 0 on padding.
+def response_logprobs(
+    model, sequences: dict[str, torch.Tensor], *, temperature: float, batch_size: int, vocab_size: int | None = None
+) -> torch.Tensor:
+    """Per-token log-probs of the responses under `model`, no gradient: [N, R] float32, 0 on padding;
+    normalised over the first `vocab_size` ids (see `response_logits`).
 
     Evaluated `batch_size` sequences at a time to bound activation memory. Under ZeRO-3 every rank
     must call this with the same N (each forward is a collective); the online strategies ensure it.
@@ -137,7 +155,7 @@ def response_logprobs(model, sequences: dict[str, torch.Tensor], *, temperature:
     parts = []
     for start in range(0, total, batch_size):
         chunk = {key: value[start : start + batch_size] for key, value in sequences.items()}
-        logits = response_logits(model, chunk, temperature)
+        logits = response_logits(model, chunk, temperature, vocab_size)
         parts.append(masked_token_logprobs(logits, chunk["response_ids"], chunk["response_mask"]))
     return torch.cat(parts)
 

@@ -8,6 +8,8 @@ from typing import ClassVar
 
 import torch
 
+from astrai.models.policy import router_aux_loss_coef
+
 
 @dataclass
 class StepOutput:
@@ -68,6 +70,30 @@ class Strategy:
 
     def compute_loss(self, policy, batch: dict, normalizer: float) -> StepOutput:
         raise NotImplementedError
+
+    # Mixture-of-experts policies: the router's load-balancing loss, the same way in every train type.
+    def router_options(self, policy) -> dict:
+        """Forward keywords that make the policy return its router's load-balancing loss (`aux_loss`):
+        {"output_router_logits": True} when `model.router_aux_loss_coef` resolves to > 0 for it, else {}."""
+        coefficient = router_aux_loss_coef(self.job.model.router_aux_loss_coef, policy)
+        return {"output_router_logits": True} if coefficient > 0 else {}
+
+    def router_aux_loss(self, policy, output, units: float, normalizer: float, sums: dict, metric_units: float):
+        """coef x aux_loss x units / normalizer, the term to add to the micro-batch's loss (0 without one).
+
+        aux_loss is the model's own (transformers' `load_balancing_loss_func`): a mean over the micro-batch's
+        attended tokens, like a loss of its own. units / normalizer is the micro-batch's share of the step's
+        loss units (tokens, pairs or responses: `loss_weight`) times ranks x accumulation, the factor its
+        summed loss gets; DeepSpeed then divides by ranks x accumulation, so the step's router term is coef x
+        the unit-weighted mean of its micro-batches' aux losses (coef x aux_loss when they are equal, as
+        transformers' loss with labels). Adds `router_aux_loss` (aux_loss x metric_units) to `sums`:
+        metric_units is what the loop divides that metric by (the loss units offline, response tokens online).
+        """
+        aux = getattr(output, "aux_loss", None)
+        if not isinstance(aux, torch.Tensor):
+            return 0.0
+        sums["router_aux_loss"] = float(aux.detach()) * metric_units
+        return router_aux_loss_coef(self.job.model.router_aux_loss_coef, policy) * aux * (units / normalizer)
 
 
 REGISTRY: dict[str, type[Strategy]] = {}

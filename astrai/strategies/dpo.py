@@ -16,7 +16,7 @@ import datasets
 import torch
 
 from astrai.algos.dpo import dpo_loss
-from astrai.algos.logprobs import sequence_logprobs, shift_for_next_token, token_logprobs
+from astrai.algos.logprobs import real_vocabulary, sequence_logprobs, shift_for_next_token, token_logprobs
 from astrai.data import render_rows
 from astrai.data.collate import pad_right
 from astrai.data.render import preference_batch
@@ -28,13 +28,21 @@ logger = logging.getLogger("astrai.dpo")
 REFERENCE_COLUMNS = ("reference_chosen_logps", "reference_rejected_logps")
 
 
-def completion_logprobs(model, batch: dict, average: bool = False) -> torch.Tensor:
+def completion_logprobs(model, batch: dict, average: bool = False, vocab_size: int | None = None) -> torch.Tensor:
     """Log-probs of each sequence's completion tokens, summed (or averaged, as IPO scores
-    completions): [2B] for a batch of 2B sequences."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    completions): [2B] for a batch of 2B sequences. vocab_size: the tokenizer's length, over whose ids
+    they normalise (a padded model vocabulary's extra rows take no probability; None: all ids)."""
+    return completion_forward(model, batch, average, vocab_size)[0]
+
+
+def completion_forward(model, batch: dict, average: bool = False, vocab_size: int | None = None, **options):
+    """`completion_logprobs` [2B] and the model's whole output (e.g. a router's `aux_loss`); `options` go to
+    the forward."""
+    output = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **options)
+    logits = real_vocabulary(output.logits, vocab_size)
     shifted_logits, labels, mask = shift_for_next_token(logits, batch["input_ids"], batch["loss_mask"])
     logps = sequence_logprobs(token_logprobs(shifted_logits, labels), mask)
-    return logps / mask.sum(dim=-1).clamp(min=1) if average else logps
+    return (logps / mask.sum(dim=-1).clamp(min=1) if average else logps), output
 
 
 @register
@@ -64,7 +72,8 @@ class DpoStrategy(Strategy):
         for round_index in range(rounds):
             indices = own[round_index * micro : (round_index + 1) * micro] or own[:1]
             batch = self._to_device(self.collate([run.dataset[i] for i in indices]))
-            logps = completion_logprobs(self.reference, batch, average=self.job.dpo.loss == "ipo")
+            average = self.job.dpo.loss == "ipo"
+            logps = completion_logprobs(self.reference, batch, average=average, vocab_size=len(self.tokenizer))
             pairs = len(indices)
             for position, index in enumerate(indices):
                 results[index] = (float(logps[position]), float(logps[pairs + position]))
@@ -103,23 +112,25 @@ class DpoStrategy(Strategy):
         pairs = batch["input_ids"].shape[0] // 2
         settings = self.job.dpo
         average = settings.loss == "ipo"  # IPO's paper scores completions by their mean token log-prob
-        logps = completion_logprobs(policy, batch, average)
+        logps, output = completion_forward(policy, batch, average, len(self.tokenizer), **self.router_options(policy))
         reference = batch.get("reference_logps")
         if reference is None:
-            reference = completion_logprobs(self.reference, batch, average)
-        output = dpo_loss(
+            reference = completion_logprobs(self.reference, batch, average, len(self.tokenizer))
+        objective = dpo_loss(
             logps[:pairs], logps[pairs:], reference[:pairs], reference[pairs:],
             beta=settings.beta, loss_type=settings.loss, label_smoothing=settings.label_smoothing,
         )
         chosen, rejected = logps[:pairs].detach(), logps[pairs:].detach()
         sums = {
-            "loss": float(output.losses.detach().sum()),
-            "rewards_chosen": float(output.rewards_chosen.sum()),
-            "rewards_rejected": float(output.rewards_rejected.sum()),
-            "reward_margin": float((output.rewards_chosen - output.rewards_rejected).sum()),
-            "reward_accuracy": float((output.rewards_chosen > output.rewards_rejected).sum()),
+            "loss": float(objective.losses.detach().sum()),
+            "rewards_chosen": float(objective.rewards_chosen.sum()),
+            "rewards_rejected": float(objective.rewards_rejected.sum()),
+            "reward_margin": float((objective.rewards_chosen - objective.rewards_rejected).sum()),
+            "reward_accuracy": float((objective.rewards_chosen > objective.rewards_rejected).sum()),
             "logps_chosen": float(chosen.sum()),
             "logps_rejected": float(rejected.sum()),
             "weight": float(pairs),
         }
-        return StepOutput(output.losses.sum() / normalizer, sums)
+        router = self.router_aux_loss(policy, output, float(pairs), normalizer, sums, float(pairs))
+        loss = objective.losses.sum() / normalizer + router
+        return StepOutput(loss, sums)

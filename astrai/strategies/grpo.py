@@ -28,8 +28,8 @@ from astrai.algos.advantages import grpo_advantages
 from astrai.algos.kl import kl_k3
 from astrai.algos.masked import masked_sum
 from astrai.algos.ppo import broadcast_sequence_advantages, entropy_from_logits, ppo_policy_loss
-from astrai.rollout import RolloutResult, response_logits, response_logprobs
-from astrai.rollout.sequences import masked_token_logprobs
+from astrai.rollout import RolloutResult, response_logprobs
+from astrai.rollout.sequences import masked_token_logprobs, response_forward
 from astrai.strategies.base import StepOutput, register
 from astrai.strategies.online import OnlineStrategy
 
@@ -54,7 +54,8 @@ class GrpoStrategy(OnlineStrategy):
         targets["advantages"] = grpo_advantages(rollout.rewards, rollout.group_size, normalize_std=self.job.rl.normalize_advantage_std)
         if self.reference is not None:
             targets["reference_logprobs"] = response_logprobs(
-                self.reference, targets, temperature=self.job.rollout.temperature, batch_size=self.geometry.micro_batch_size
+                self.reference, targets, temperature=self.job.rollout.temperature, batch_size=self.geometry.micro_batch_size,
+                vocab_size=len(self.tokenizer),
             )
         return targets
 
@@ -62,7 +63,9 @@ class GrpoStrategy(OnlineStrategy):
         """Clipped surrogate + kl_coef * k3, over response tokens [B, R]; `normalizer` = the optimizer
         step's global loss units / (ranks x accumulation), so DeepSpeed's averaging yields their mean."""
         settings, mask = self.job.rl, batch["response_mask"]
-        logits = response_logits(policy, batch, self.job.rollout.temperature)  # [B, R, vocab]
+        options = self.router_options(policy)  # a mixture of experts returns its load-balancing loss
+        temperature, vocab_size = self.job.rollout.temperature, len(self.tokenizer)
+        logits, output = response_forward(policy, batch, temperature, vocab_size, **options)  # [B, R, vocab]
         logprobs = masked_token_logprobs(logits, batch["response_ids"], mask)
         token_advantages = broadcast_sequence_advantages(batch["advantages"], mask)
         token_mean = settings.loss_aggregation == "token_mean"
@@ -81,4 +84,5 @@ class GrpoStrategy(OnlineStrategy):
         with torch.no_grad():
             sums["entropy"] = float(masked_sum(entropy_from_logits(logits.detach()), mask))
         sums["loss"] = float(loss.detach()) * normalizer  # the sum of this micro-batch's unit losses
+        loss = loss + self.router_aux_loss(policy, output, self.loss_weight(batch), normalizer, sums, tokens)
         return StepOutput(loss, sums)

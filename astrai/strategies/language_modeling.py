@@ -32,11 +32,16 @@ class LanguageModelingStrategy(Strategy):
         """Loss = sum of token losses / (global loss tokens of the step / (ranks x accumulation)).
 
         DeepSpeed then divides by the accumulation steps and averages over ranks, so the update is
-        exactly the token-mean over the whole optimizer step.
+        exactly the token-mean over the whole optimizer step. A mixture-of-experts policy adds its router's
+        load-balancing term (`router_aux_loss`); the logged `loss` is the cross-entropy alone.
         """
-        logits = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        loss_sum, count = next_token_cross_entropy_sum(logits, batch["input_ids"], batch["loss_mask"])
-        return StepOutput(loss_sum / normalizer, {"loss": float(loss_sum.detach()), "weight": float(count)})
+        options = self.router_options(policy)  # a mixture of experts returns its load-balancing loss
+        output = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **options)
+        loss_sum, count = next_token_cross_entropy_sum(output.logits, batch["input_ids"], batch["loss_mask"])
+        sums = {"loss": float(loss_sum.detach()), "weight": float(count)}
+        router = self.router_aux_loss(policy, output, float(count), normalizer, sums, float(count))
+        loss = loss_sum / normalizer + router
+        return StepOutput(loss, sums)
 
 
 @register

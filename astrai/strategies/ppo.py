@@ -40,8 +40,8 @@ from astrai.algos.kl import kl_estimate, kl_k3
 from astrai.algos.masked import WHITEN_EPS, masked_sum
 from astrai.algos.ppo import entropy_from_logits, ppo_policy_loss, value_loss
 from astrai.engine import all_reduce_sums
-from astrai.rollout import RolloutResult, frozen_response_values, response_logits, response_logprobs, response_values
-from astrai.rollout.sequences import masked_token_logprobs
+from astrai.rollout import RolloutResult, frozen_response_values, response_logprobs, response_values
+from astrai.rollout.sequences import masked_token_logprobs, response_forward
 from astrai.strategies.base import StepOutput, register
 from astrai.strategies.online import OnlineStrategy
 
@@ -134,7 +134,10 @@ class PPOStrategy(OnlineStrategy):
         if self.reference is None:
             return torch.zeros_like(targets["behaviour_logprobs"])
         settings = self.job.rl
-        reference = response_logprobs(self.reference, targets, temperature=self.job.rollout.temperature, batch_size=self.geometry.micro_batch_size)
+        reference = response_logprobs(
+            self.reference, targets, temperature=self.job.rollout.temperature, batch_size=self.geometry.micro_batch_size,
+            vocab_size=len(self.tokenizer),
+        )
         if not settings.kl_in_reward:
             targets["reference_logprobs"] = reference
         kl = kl_estimate(targets["behaviour_logprobs"], reference, settings.kl_estimator, max_log_ratio=settings.kl_max_log_ratio)
@@ -162,7 +165,9 @@ class PPOStrategy(OnlineStrategy):
         """Clipped surrogate on the pinned advantages [B, R] (- entropy bonus, + KL if not in the reward);
         `normalizer` = the optimizer step's global loss units / (ranks x accumulation), as in grpo."""
         settings, mask = self.job.rl, batch["response_mask"]
-        logits = response_logits(policy, batch, self.job.rollout.temperature)  # [B, R, vocab]
+        options = self.router_options(policy)  # a mixture of experts returns its load-balancing loss
+        temperature, vocab_size = self.job.rollout.temperature, len(self.tokenizer)
+        logits, output = response_forward(policy, batch, temperature, vocab_size, **options)  # [B, R, vocab]
         logprobs = masked_token_logprobs(logits, batch["response_ids"], mask)
         token_mean = settings.loss_aggregation == "token_mean"
         surrogate = ppo_policy_loss(
@@ -185,6 +190,7 @@ class PPOStrategy(OnlineStrategy):
             loss = loss + self.loss_kl_coef * self._aggregate(kl, mask, normalizer)
             sums["kl"] = float(masked_sum(kl.detach(), mask))
         sums["loss"] = float(loss.detach()) * normalizer
+        loss = loss + self.router_aux_loss(policy, output, self.loss_weight(batch), normalizer, sums, tokens)
         return StepOutput(loss, sums)
 
     def compute_critic_loss(self, critic, batch: dict, normalizer: float) -> StepOutput:
