@@ -101,6 +101,14 @@ def test_export_goes_under_the_output_dir_unless_given(tmp_path):
     assert load_job(write_job(tmp_path), ["export.hf_dir=/x/hf"]).export.hf_dir == "/x/hf"
 
 
+def test_export_never_targets_the_output_dir_or_a_folder_holding_it(tmp_path):
+    """export.on_finish replaces export.hf_dir whole: pointing it at the run (or above it) fails at load."""
+    for destination in (tmp_path / "out", tmp_path):
+        with pytest.raises(ConfigError, match=r"`export.hf_dir` .* is or contains `output_dir`: the export would replace the run"):
+            load_job(write_job(tmp_path), [f"export.hf_dir={destination}"])
+    assert load_job(write_job(tmp_path), [f"export.hf_dir={tmp_path / 'out-hf'}"]).export.hf_dir == str(tmp_path / "out-hf")
+
+
 def test_bad_override_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"--set train\.max_stepz=3: train\.max_stepz: unknown key"):
         load_job(write_job(tmp_path), ["train.max_stepz=3"])
