@@ -49,10 +49,13 @@ class Launcher:
 
 
 def proc_stat(pid: int) -> tuple[int, str] | None:
-    """(parent pid, start time) of `pid` from /proc (Linux), None when gone or unknown."""
+    """(parent pid, start time) of `pid` from /proc (Linux), None when gone, a zombie (dead, not yet
+    reaped by its parent: a killed `deepspeed` stays one until its shell waits for it) or unknown."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     except OSError:
+        return None
+    if fields[0] in ("Z", "X"):
         return None
     return int(fields[1]), fields[19]  # fields 4 and 22; the command name before ")" may hold spaces
 
