@@ -356,7 +356,8 @@ def launch_main(argv: list[str] | None = None) -> int:
             require_programs(job.infra.launcher)
             if job.infra.launcher in SSH_LAUNCHERS:  # slurm's srun and no_ssh need no ssh
                 probe_nodes(plan.nodes)
-        holder = None if args.node_rank else live_holder(job.output_dir)  # no_ssh nodes 1..: node 0's own job may hold it already
+        # no_ssh nodes 1.. run after node 0, whose own job may hold the lock already
+        holder = None if args.node_rank else live_holder(job.output_dir)
         if holder is not None:  # checked before the launch files are written into its output_dir
             print(f"astrai launch: {in_use_message(job.output_dir, holder)}", file=sys.stderr)
             return 1

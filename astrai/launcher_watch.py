@@ -62,7 +62,9 @@ def proc_stat(pid: int) -> tuple[int, str] | None:
 
 def command_line(pid: int) -> list[str]:
     try:
-        return [part.decode(errors="replace") for part in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if part]
+        return [
+            part.decode(errors="replace") for part in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if part
+        ]
     except OSError:
         return []
 
@@ -115,7 +117,9 @@ def watch_launchers(interval_s: float = WATCH_INTERVAL_S) -> list[Launcher]:
         _leave(launchers[0])  # the parent died before the prctl: the kernel will not tell us any more
     thread = threading.Thread(target=_watch, args=(launchers, interval_s), name="astrai-launcher-watch", daemon=True)
     thread.start()
-    logger.debug("watching the launchers above this rank: %s", ", ".join(f"{item.name} pid {item.pid}" for item in launchers))
+    logger.debug(
+        "watching the launchers above this rank: %s", ", ".join(f"{item.name} pid {item.pid}" for item in launchers)
+    )
     return launchers
 
 
@@ -123,7 +127,10 @@ def _kill_me_with_my_parent() -> None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-            logger.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): only the watching thread stops an orphaned rank", ctypes.get_errno())
+            logger.warning(
+                "prctl(PR_SET_PDEATHSIG) failed (errno %d): only the watching thread stops an orphaned rank",
+                ctypes.get_errno(),
+            )
     except (OSError, AttributeError):  # not Linux: the thread alone
         pass
 
@@ -140,7 +147,8 @@ def _watch(launchers: list[Launcher], interval_s: float) -> None:
 def _leave(launcher: Launcher) -> None:
     logger.error(
         "the launcher that started this rank is gone (%s, pid %d): this rank stops now, publishing nothing more",
-        launcher.name, launcher.pid,
+        launcher.name,
+        launcher.pid,
     )
     for action in _last_actions:
         try:

@@ -117,7 +117,9 @@ def in_use_message(output_dir: str | Path, holder: Holder | None, age_s: float |
     where = Path(output_dir)
     if holder is None:
         return f"output_dir {where} is in use by another job (it holds {where / LOCK_NAME}; its record is missing)"
-    message = f"output_dir {where} is in use by the job of {holder.describe()}: one job writes into an output_dir at a time"
+    message = (
+        f"output_dir {where} is in use by the job of {holder.describe()}: one job writes into an output_dir at a time"
+    )
     if holder.host != socket.gethostname():
         message += (
             f"; if that job is gone, its record {where / RECORD_NAME} is stale {STALE_AFTER_S:g} s after its last "
@@ -156,11 +158,20 @@ class RunLock:
             if error.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
                 os.close(descriptor)
                 raise
-            logger.warning("%s: flock is not supported on this filesystem (%s); only the holder's record guards output_dir", self.output_dir, error)
+            logger.warning(
+                "%s: flock is not supported on this filesystem (%s); only the holder's record guards output_dir",
+                self.output_dir,
+                error,
+            )
         try:
             self._check_record()
             self.holder = Holder(
-                socket.gethostname(), os.getpid(), process_start(os.getpid()), time.strftime("%Y-%m-%dT%H:%M:%S%z"), self.config, current_rendezvous()
+                socket.gethostname(),
+                os.getpid(),
+                process_start(os.getpid()),
+                time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                self.config,
+                current_rendezvous(),
             )
             self._write_record(self.holder)
         except BaseException:
@@ -181,7 +192,9 @@ class RunLock:
         ours = (holder.host, holder.pid) == (socket.gethostname(), os.getpid())
         if not ours and is_live(holder, age):
             raise OutputDirLockedError(in_use_message(self.output_dir, holder, age))
-        logger.warning("output_dir %s: taking over the lock of a job that is gone: %s", self.output_dir, holder.describe())
+        logger.warning(
+            "output_dir %s: taking over the lock of a job that is gone: %s", self.output_dir, holder.describe()
+        )
 
     def _write_record(self, holder: Holder) -> None:
         temporary = self.record_path.with_name(f".{RECORD_NAME}.{os.getpid()}.tmp")
@@ -204,7 +217,11 @@ class RunLock:
         if self.descriptor is None:
             return
         found = read_holder(self.output_dir)
-        if found is not None and self.holder is not None and (found[0].host, found[0].pid) == (self.holder.host, self.holder.pid):
+        if (
+            found is not None
+            and self.holder is not None
+            and (found[0].host, found[0].pid) == (self.holder.host, self.holder.pid)
+        ):
             self.record_path.unlink(missing_ok=True)
         os.close(self.descriptor)
         self.descriptor = None
@@ -233,4 +250,3 @@ def agree_on_lock(refusal: str | None, gather) -> None:
     verdict = gather(refusal)[0]
     if verdict is not None:
         raise OutputDirLockedError(verdict)
-

@@ -158,7 +158,10 @@ class HttpReward:
     Proxy variables of the environment (http_proxy, ...) are not used: the service is reached directly.
     """
 
-    def __init__(self, url: str, timeout_s: float, retries: int, backoff_s: float, name: str | None = None, max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES):
+    def __init__(
+        self, url: str, timeout_s: float, retries: int, backoff_s: float, name: str | None = None,
+        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+    ):
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in HTTP_SCHEMES or not parts.hostname:
             raise RewardError(f"reward.url: {url!r} must be an http:// or https:// address with a host")
@@ -202,12 +205,14 @@ class HttpReward:
         timer.start()
         try:
             path = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
-            connection.request("POST", path, body=body, headers={"Content-Type": "application/json", "Accept": "application/json"})
+            headers = {"Content-Type": "application/json", "Accept": "application/json"}
+            connection.request("POST", path, body=body, headers=headers)
             response = connection.getresponse()
             if 300 <= response.status < 400:
                 raise RewardError(
                     f"reward {self.name!r}: the service at {self.url} answered HTTP {response.status}, a redirect to "
-                    f"{response.getheader('Location')!r}; redirects are not followed: set reward.url to the final address"
+                    f"{response.getheader('Location')!r}; redirects are not followed: "
+                    "set reward.url to the final address"
                 )
             answer = response.status, self.read_body(response)
         except (OSError, http.client.HTTPException):
@@ -226,13 +231,18 @@ class HttpReward:
         limit = self.max_response_bytes
         declared = response.getheader("Content-Length")
         if declared is not None and declared.strip().isdigit() and int(declared) > limit:
-            raise RewardError(f"reward {self.name!r}: the answer from {self.url} declares {int(declared)} bytes, more than max_response_bytes {limit}")
+            raise RewardError(
+                f"reward {self.name!r}: the answer from {self.url} declares {int(declared)} bytes, "
+                f"more than max_response_bytes {limit}"
+            )
         chunks, size = [], 0
         while chunk := response.read(min(RESPONSE_CHUNK_BYTES, limit + 1 - size)):
             chunks.append(chunk)
             size += len(chunk)
             if size > limit:
-                raise RewardError(f"reward {self.name!r}: the answer from {self.url} is larger than max_response_bytes {limit}")
+                raise RewardError(
+                    f"reward {self.name!r}: the answer from {self.url} is larger than max_response_bytes {limit}"
+                )
         return b"".join(chunks)
 
     def rewards_of(self, raw: bytes):
@@ -303,7 +313,9 @@ def build_source(config, device: torch.device):
         return FunctionReward(config.function, config.name)
     if config.model_path is not None:
         return ModelReward(config.model_path, device, config.batch_size, config.name)
-    return HttpReward(config.url, config.timeout_s, config.retries, config.retry_backoff_s, config.name, config.max_response_bytes)
+    return HttpReward(
+        config.url, config.timeout_s, config.retries, config.retry_backoff_s, config.name, config.max_response_bytes
+    )
 
 
 def build_reward(config, device: torch.device) -> WeightedReward:

@@ -104,9 +104,10 @@ def test_export_goes_under_the_output_dir_unless_given(tmp_path):
 def test_export_never_targets_the_output_dir_or_a_folder_holding_it(tmp_path):
     """export.on_finish replaces export.hf_dir whole: pointing it at the run (or above it) fails at load."""
     for destination in (tmp_path / "out", tmp_path):
-        with pytest.raises(ConfigError, match=r"`export.hf_dir` .* is or contains `output_dir`: the export would replace the run"):
+        with pytest.raises(ConfigError, match=r"`export.hf_dir` .* is or contains `output_dir`: the export would replace"):
             load_job(write_job(tmp_path), [f"export.hf_dir={destination}"])
-    assert load_job(write_job(tmp_path), [f"export.hf_dir={tmp_path / 'out-hf'}"]).export.hf_dir == str(tmp_path / "out-hf")
+    beside = tmp_path / "out-hf"
+    assert load_job(write_job(tmp_path), [f"export.hf_dir={beside}"]).export.hf_dir == str(beside)
 
 
 def test_bad_override_is_named(tmp_path):

@@ -231,14 +231,15 @@ def test_overwrite_never_replaces_a_run_folder_or_a_checkpoint(tmp_path, trained
     (holder / "notes.txt").write_text("mine")
     before = listing(holder)
     assert export_main([str(checkpoint), str(holder), "--no-verify", "--overwrite"]) == 1
-    assert f"destination {holder} holds a checkpoint ({holder / 'saved' / 'best' / 'manifest.json'})" in capsys.readouterr().err
+    manifest = holder / "saved" / "best" / "manifest.json"
+    assert f"destination {holder} holds a checkpoint ({manifest})" in capsys.readouterr().err
     assert listing(holder) == before
     # The checkpoint folder itself, and export.on_finish pointed at the output_dir: refused, nothing deleted.
-    before = listing(run_copy)
+    before, own = listing(run_copy), run_copy / "checkpoints" / checkpoint.name
     with pytest.raises(ExportError, match="holds a checkpoint"):
-        export_checkpoint(run_copy / "checkpoints" / checkpoint.name, run_copy / "checkpoints", verify=False, overwrite=True)
+        export_checkpoint(own, run_copy / "checkpoints", verify=False, overwrite=True)
     with pytest.raises(ExportError, match="is a training run's folder"):
-        export_checkpoint(run_copy / "checkpoints" / checkpoint.name, run_copy, verify=False, overwrite=True)
+        export_checkpoint(own, run_copy, verify=False, overwrite=True)
     assert listing(run_copy) == before
 
 

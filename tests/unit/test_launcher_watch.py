@@ -31,7 +31,10 @@ time.sleep(600)
 # Parent of the rank: started with "deepspeed.launcher.launch" on its command line, it waits for its child.
 NODE_LAUNCHER = "import subprocess, sys; sys.exit(subprocess.Popen([sys.executable, '-c', sys.argv[2]]).wait())"
 # The runner: a script named `deepspeed`, starting the node launcher, passing the rank's output through.
-RUNNER = "import subprocess, sys; sys.exit(subprocess.Popen([sys.executable, '-c', sys.argv[1], 'deepspeed.launcher.launch', sys.argv[2]]).wait())"
+RUNNER = (
+    "import subprocess, sys; "
+    "sys.exit(subprocess.Popen([sys.executable, '-c', sys.argv[1], 'deepspeed.launcher.launch', sys.argv[2]]).wait())"
+)
 GONE_BOUND_S = 30
 
 
@@ -48,8 +51,13 @@ def chain(tmp_path):
     runner = tmp_path / "deepspeed"
     runner.write_text(RUNNER)
     process = subprocess.Popen(
-        [sys.executable, str(runner), NODE_LAUNCHER, RANK], cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True, start_new_session=True,
+        [sys.executable, str(runner), NODE_LAUNCHER, RANK],
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     ready, _, _ = select.select([process.stdout], [], [], 120)
     assert ready, "the rank did not start"
@@ -85,7 +93,9 @@ def test_a_sigkilled_node_launcher_stops_the_rank_through_the_kernel(chain):
     os.kill(rank["watched"][0][0], signal.SIGKILL)
     wait_gone(rank["pid"])
     runner.wait(30)  # the runner saw its node launcher die
-    assert "the launcher that started this rank is gone" not in runner.stderr.read()  # SIGKILL came first, not the thread
+    assert (
+        "the launcher that started this rank is gone" not in runner.stderr.read()
+    )  # SIGKILL came first, not the thread
 
 
 def test_without_deepspeeds_launcher_nothing_is_watched():
@@ -95,7 +105,10 @@ def test_without_deepspeeds_launcher_nothing_is_watched():
 @pytest.mark.parametrize(
     ("arguments", "name"),
     [
-        (["/venv/bin/python", "-u", "-m", "deepspeed.launcher.launch", "--world_info=e30=", "astrai/train.py"], "deepspeed.launcher.launch"),
+        (
+            ["/venv/bin/python", "-u", "-m", "deepspeed.launcher.launch", "--world_info=e30=", "astrai/train.py"],
+            "deepspeed.launcher.launch",
+        ),
         (["/venv/bin/python", "/venv/bin/deepspeed", "--num_gpus=2", "astrai/train.py"], "deepspeed"),
         (["/venv/bin/python", "-m", "astrai", "launch", "--config", "job.yaml"], "astrai launch"),
         (["/venv/bin/astrai", "launch", "--config", "job.yaml"], "astrai launch"),

@@ -317,7 +317,8 @@ def read_request(connection) -> None:
     while b"\r\n\r\n" not in data:
         data += connection.recv(65536)
     head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    lines = head.split(b"\r\n")
+    length = int(next(line.split(b":")[1] for line in lines if line.lower().startswith(b"content-length")))
     while len(body) < length:
         body += connection.recv(65536)
 
@@ -356,7 +357,8 @@ def test_http_reward_timeout_bounds_the_whole_request_against_a_dripping_server(
     with raw_service(drip) as url:
         error = call_bounded(http_from_yaml(url, timeout_s=1, retries=1, retry_backoff_s=0.01))
     assert isinstance(error, RewardError), error
-    assert re.search(r"no answer after 2 attempts .*last error: no complete answer within timeout_s 1 s", str(error)), error
+    expected = r"no answer after 2 attempts .*last error: no complete answer within timeout_s 1 s"
+    assert re.search(expected, str(error)), error
 
 
 def endless_body(declare_length):
@@ -399,7 +401,7 @@ def test_http_reward_never_follows_a_redirect(service):
     assert RewardService.requests == []  # neither followed nor retried
 
 
-@pytest.mark.parametrize("url", ["file:///etc/passwd", "ftp://127.0.0.1/score", "127.0.0.1:8080/score", "http:///score"])
+@pytest.mark.parametrize("url", ["file:///etc/passwd", "ftp://127.0.0.1/score", "127.0.0.1:8080/score", "http:///x"])
 def test_reward_url_must_be_http_or_https(url):
     with pytest.raises(ValueError, match="must be an http:// or https:// address with a host"):
         RewardConfig(url=url)
