@@ -240,6 +240,8 @@ def lock_for_this_rank(output_dir: str | Path, config: str | None) -> tuple[RunL
         lock.acquire()
     except OutputDirLockedError as error:
         return lock, str(error)
+    except OSError as error:  # e.g. an output_dir this user cannot write: every rank stops with it, none waits
+        return lock, f"cannot lock output_dir {output_dir}: {error}"
     atexit.register(lock.release)  # also when the rendezvous raises, before the caller's try/finally
     return lock, None
 

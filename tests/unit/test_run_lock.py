@@ -177,3 +177,10 @@ def test_launch_refuses_an_output_dir_in_use(tmp_path, holder):
         in finished.stderr
     )
     assert not (tmp_path / "out" / "launch").exists()
+
+
+def test_an_output_dir_that_cannot_be_locked_is_a_refusal_for_every_rank(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    (tmp_path / "file").write_text("not a folder")
+    lock, refusal = lock_for_this_rank(tmp_path / "file" / "out", "job.yaml")
+    assert lock.descriptor is None and refusal.startswith(f"cannot lock output_dir {tmp_path / 'file' / 'out'}: ")
