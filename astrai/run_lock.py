@@ -116,7 +116,7 @@ def live_holder(output_dir: str | Path, *, same_launch_ok: bool = False) -> Hold
 def in_use_message(output_dir: str | Path, holder: Holder | None, age_s: float | None = None) -> str:
     where = Path(output_dir)
     if holder is None:
-        return f"output_dir {where} is in use by another job (it holds {where / LOCK_NAME}; its record is missing)"
+        return f"output_dir {where} is in use by another job (it holds {where / LOCK_NAME}; no record of it yet)"
     message = (
         f"output_dir {where} is in use by the job of {holder.describe()}: one job writes into an output_dir at a time"
     )
@@ -153,6 +153,8 @@ class RunLock:
         except BlockingIOError:
             os.close(descriptor)
             found = read_holder(self.output_dir)
+            if found is not None and not is_live(*found):  # the holder has not yet replaced a dead job's record
+                found = None
             raise OutputDirLockedError(in_use_message(self.output_dir, *(found or (None, None)))) from None
         except OSError as error:  # flock unsupported here (e.g. Lustre mounted `noflock`): the record decides alone
             if error.errno not in (errno.ENOLCK, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):

@@ -184,3 +184,16 @@ def test_an_output_dir_that_cannot_be_locked_is_a_refusal_for_every_rank(tmp_pat
     (tmp_path / "file").write_text("not a folder")
     lock, refusal = lock_for_this_rank(tmp_path / "file" / "out", "job.yaml")
     assert lock.descriptor is None and refusal.startswith(f"cannot lock output_dir {tmp_path / 'file' / 'out'}: ")
+
+
+def test_a_holder_whose_record_is_not_written_yet_is_not_confused_with_the_dead_job_before_it(tmp_path):
+    write_record(tmp_path / "out", host=socket.gethostname(), pid=2**22 + 7)  # a dead job's leftover record
+    other = os.open(tmp_path / "out" / LOCK_NAME, os.O_RDWR | os.O_CREAT)
+    try:
+        import fcntl
+
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a holder between its flock and its record
+        with pytest.raises(OutputDirLockedError, match=r"is in use by another job \(it holds .*; no record of it yet\)"):
+            RunLock(tmp_path / "out").acquire()
+    finally:
+        os.close(other)
