@@ -48,6 +48,12 @@ def load_and_check(config_path: str, overrides: list[str]):
         strategy = strategy_class(job.train.train_type)
     except KeyError as error:
         raise ConfigError(f"{config_path}: {error.args[0]}") from None
+    output_dir, hf_dir = Path(job.output_dir).resolve(), Path(job.export.hf_dir).resolve()
+    if job.export.on_finish and (hf_dir == output_dir or hf_dir in output_dir.parents):  # an export replaces it whole
+        raise ConfigError(
+            f"{config_path}: `export.hf_dir` {job.export.hf_dir!r} is or contains `output_dir`: the export at the end "
+            "would replace the run; use e.g. <output_dir>/hf"
+        )
     # The launcher exports WORLD_SIZE before it starts the ranks, so batch splits are checked here too.
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:

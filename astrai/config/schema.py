@@ -368,9 +368,6 @@ class JobConfig(Section):
     def _export_destination(self) -> "JobConfig":
         if not self.export.hf_dir:
             self.export.hf_dir = str(Path(self.output_dir) / "hf")
-        output_dir, hf_dir = Path(self.output_dir).resolve(), Path(self.export.hf_dir).resolve()
-        if hf_dir == output_dir or hf_dir in output_dir.parents:  # an export replaces its destination whole
-            raise ValueError(f"`export.hf_dir` {self.export.hf_dir!r} is or contains `output_dir`: the export would replace the run; use e.g. <output_dir>/hf")
         return self
 
     @model_validator(mode="after")
