@@ -3,8 +3,9 @@
 A long job A runs; a second launch B on the same output_dir fails at once on every rank, naming A's
 host, pid and start time, and writes nothing into it; SIGKILL of A's `deepspeed` launcher (only that
 process: its per-node launcher and ranks are left to themselves, as a `kill -9` of the launcher leaves
-them) stops every rank of A within a bound and nothing is published afterwards; then a new launch C
-takes the lock and finishes, resuming A's newest checkpoint.
+them) stops every rank of A within a bound and nothing is published afterwards; a new long job C then
+takes the lock, resumes A's newest checkpoint and publishes more, until its whole tree is SIGKILLed; its
+record, left behind, is stale (dead pid): a last launch D takes the lock over, says so, and finishes.
 """
 
 from __future__ import annotations
@@ -83,36 +84,44 @@ def rank_pids(output_dir: Path) -> dict[int, int] | None:
     return reports
 
 
+def start_long_job(output_dir: Path, log: Path) -> subprocess.Popen:
+    """A 2-rank `deepspeed` launch of a job that would run for hours, checkpointing every 2 steps, in its own
+    session; its output goes to `log` (a file, not a pipe: a long run's log would fill a pipe nobody reads)."""
+    arguments = train_arguments(output_dir, "train.max_steps=100000", "checkpoint.every_steps=2")
+    command = deepspeed_launcher() + ["--num_gpus=2", "--master_port", str(free_port()), *arguments]
+    with log.open("w") as handle:
+        return subprocess.Popen(
+            command, cwd=REPO, env=child_env(), stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
+def kill_session(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait(30)
+
+
+def newest_step(output_dir: Path) -> int | None:
+    published = list_published(output_dir / "checkpoints")
+    return published[-1][0] if published else None
+
+
 def test_one_writer_per_output_dir_and_ranks_die_with_their_launcher(tmp_path):
-    output_dir = tmp_path / "out"
-    command = deepspeed_launcher() + [
-        "--num_gpus=2",
-        "--master_port",
-        str(free_port()),
-        *train_arguments(output_dir, "train.max_steps=100000", "checkpoint.every_steps=2"),
-    ]
-    log = (tmp_path / "first.log").open("w")  # a file, not a pipe: a long run's log would fill a pipe nobody reads
-    first = subprocess.Popen(
-        command, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    output_dir, host = tmp_path / "out", socket.gethostname()
+    first = start_long_job(output_dir, tmp_path / "first.log")
     try:
         pids = wait_for(lambda: rank_pids(output_dir), START_BOUND_S, "A's ranks joined", first, tmp_path / "first.log")
-        wait_for(
-            lambda: list_published(output_dir / "checkpoints"),
-            START_BOUND_S,
-            "A's first checkpoint",
-            first,
-            tmp_path / "first.log",
-        )
+        wait_for(lambda: newest_step(output_dir), START_BOUND_S, "A's first checkpoint", first, tmp_path / "first.log")
         record = json.loads((output_dir / RECORD_NAME).read_text())
-        assert (record["host"], record["pid"]) == (socket.gethostname(), pids[0])
+        assert (record["host"], record["pid"]) == (host, pids[0])
 
         # B: refused at once on every rank, naming A; nothing of A's output_dir rewritten.
         job_yaml = (output_dir / "job.yaml").stat().st_mtime_ns
         second = launch_ranks(train_arguments(output_dir, "train.max_steps=100000"), ranks=2, timeout=300)
         said = second.stdout + second.stderr
         assert second.returncode == 1, said[-4000:]
-        host = socket.gethostname()
         named = f"output_dir {output_dir} is in use by the job of host {host} pid {pids[0]} "
         named += f"(started {record['started']}"
         for rank in (0, 1):  # every rank says it
@@ -120,15 +129,12 @@ def test_one_writer_per_output_dir_and_ranks_die_with_their_launcher(tmp_path):
         assert (output_dir / "job.yaml").stat().st_mtime_ns == job_yaml
         assert all(running(pid) for pid in pids.values()), "B must not disturb A"
         assert json.loads((output_dir / RECORD_NAME).read_text()) == record
-        current = {rank: json.loads((output_dir / "ranks" / f"rank_{rank}.json").read_text())["pid"] for rank in (0, 1)}
-        assert current == pids  # B's ranks wrote no report over A's
+        assert rank_pids(output_dir) == pids  # B's ranks wrote no report over A's
 
         # SIGKILL of A's `deepspeed` launcher alone: every rank of A stops, publishing nothing more.
         os.kill(first.pid, signal.SIGKILL)
         first.wait(30)
-        wait_for(
-            lambda: not any(running(pid) for pid in pids.values()), GONE_BOUND_S, "A's ranks gone after their launcher"
-        )
+        wait_for(lambda: not any(map(running, pids.values())), GONE_BOUND_S, "A's ranks gone after their launcher")
         published = list_published(output_dir / "checkpoints")
         time.sleep(3)
         assert list_published(output_dir / "checkpoints") == published
@@ -136,17 +142,31 @@ def test_one_writer_per_output_dir_and_ranks_die_with_their_launcher(tmp_path):
         assert last_step < 100000
         assert not (output_dir / RECORD_NAME).exists()  # the orphaned rank 0 released its lock on the way out
         said = (tmp_path / "first.log").read_text()
-        assert said.count(f"the launcher that started this rank is gone (deepspeed, pid {first.pid})") == 2, said[
-            -3000:
-        ]
+        gone_line = f"the launcher that started this rank is gone (deepspeed, pid {first.pid})"
+        # The first rank to notice leaves; the other notices too, or fails its next collective with that rank gone.
+        assert gone_line in said, said[-3000:]
     finally:
-        try:
-            os.killpg(first.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_session(first)
 
-    # C: the output_dir is free again; it resumes A's newest checkpoint and finishes.
-    third = launch_ranks(train_arguments(output_dir, f"train.max_steps={last_step + 1}"), ranks=2, timeout=420)
-    assert third.returncode == 0, (third.stdout + third.stderr)[-4000:]
-    assert list_published(output_dir / "checkpoints")[-1][0] == last_step + 1
+    # C takes the output_dir, resumes A's newest checkpoint and publishes more; then its whole tree is SIGKILLed.
+    third = start_long_job(output_dir, tmp_path / "third.log")
+    try:
+        def joined_anew():
+            found = rank_pids(output_dir)
+            return found if found and not set(found.values()) & set(pids.values()) else None
+
+        new_pids = wait_for(joined_anew, START_BOUND_S, "C's ranks joined", third, tmp_path / "third.log")
+        later = lambda: (newest_step(output_dir) or 0) > last_step  # noqa: E731
+        wait_for(later, START_BOUND_S, "C's first checkpoint", third, tmp_path / "third.log")
+    finally:
+        kill_session(third)
+    assert json.loads((output_dir / RECORD_NAME).read_text())["pid"] == new_pids[0]  # left behind by SIGKILL
+
+    # D: C's record is stale (its pid is dead): taken over, logged; D finishes one step later.
+    target = newest_step(output_dir) + 1
+    fourth = launch_ranks(train_arguments(output_dir, f"train.max_steps={target}"), ranks=2, timeout=420)
+    said = fourth.stdout + fourth.stderr
+    assert fourth.returncode == 0, said[-4000:]
+    assert f"taking over the lock of a job that is gone: host {host} pid {new_pids[0]}" in said
+    assert newest_step(output_dir) == target
     assert not (output_dir / RECORD_NAME).exists()  # released at exit
