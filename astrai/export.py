@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -291,11 +292,53 @@ def fsync_path(path: Path) -> None:
         os.close(descriptor)
 
 
+RUN_FOLDER_MARKERS = ("checkpoints", "metrics.jsonl", "job.yaml")  # what a training run writes into its output_dir
+
+
 def check_destination(destination: Path, overwrite: bool) -> None:
     if destination.exists() and not destination.is_dir():
         raise ExportError(f"destination {destination} exists and is not a folder")
-    if destination.is_dir() and any(destination.iterdir()) and not overwrite:
-        raise ExportError(f"destination {destination} is not empty (use --overwrite to replace it)")
+    if destination.is_dir() and any(destination.iterdir()):
+        if not overwrite:
+            raise ExportError(f"destination {destination} is not empty (use --overwrite to replace it)")
+        refuse_to_replace_training_output(destination)
+
+
+def refuse_to_replace_training_output(destination: Path) -> None:
+    """--overwrite replaces an earlier export, never a run: refuse a destination that is a run folder
+    (an output_dir) or holds a checkpoint anywhere below (a manifest.json of the checkpoint format, or
+    a legacy checkpoint's trainer_state.json), naming what was found. Nothing is deleted before this."""
+    markers = [name for name in RUN_FOLDER_MARKERS if (destination / name).exists()]
+    if markers:
+        raise ExportError(
+            f"destination {destination} is a training run's folder (it holds {', '.join(markers)}); --overwrite "
+            "replaces only an earlier export: choose another destination, e.g. a new folder beside it"
+        )
+    found = checkpoint_below(destination)
+    if found is not None:
+        raise ExportError(
+            f"destination {destination} holds a checkpoint ({found}); --overwrite replaces only an earlier export: "
+            "choose another destination"
+        )
+
+
+def checkpoint_below(folder: Path) -> Path | None:
+    """The first checkpoint file found in or below `folder`: an astrai-checkpoint manifest.json or a
+    trainer_state.json (legacy checkpoints have no manifest); None when there is none."""
+    from astrai.checkpoint import MANIFEST_FORMAT, MANIFEST_NAME
+
+    for root, _folders, files in os.walk(folder):
+        if MANIFEST_NAME in files:
+            manifest = Path(root) / MANIFEST_NAME
+            try:
+                document = json.loads(manifest.read_bytes())
+            except (OSError, ValueError):
+                return manifest  # unreadable: treat as a checkpoint rather than risk deleting one
+            if isinstance(document, dict) and document.get("format") == MANIFEST_FORMAT:
+                return manifest
+        if "trainer_state.json" in files:
+            return Path(root) / "trainer_state.json"
+    return None
 
 
 def remove_stale_staging(destination: Path) -> None:
@@ -422,7 +465,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="dtype of the exported weights (default fp32)")
     parser.add_argument("--part", choices=PARTS, default="policy", help="which model of the checkpoint (default policy)")
     parser.add_argument("--no-verify", action="store_true", help="skip re-hashing the checkpoint against its manifest")
-    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty destination (atomically)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier export (atomically); a run folder or a folder holding a checkpoint is refused")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB (default 5GB)")
     parser.add_argument("--tokenizer-dir", default=None, help="tokenizer folder (default: the run's own)")
     return parser.parse_args(argv)

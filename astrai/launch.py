@@ -9,7 +9,8 @@ Before anything starts (one message and exit status 2 when something is wrong):
    every host and the master address resolve, no loopback master for nodes on other machines, and
    the launcher's own needs (no_ssh: --node-rank; slurm: equal slots; the launcher program installed),
    and (pdsh, openmpi; not with --dry-run) every node answers `ssh -o BatchMode=yes host true` in bounded time;
-3. `output_dir/launch/hostfile` (DeepSpeed's `host slots=N`) and `output_dir/launch/deepspeed_env`
+3. an output_dir in use by a live job (its lock record, astrai/run_lock.py) stops the launch (exit status 1);
+4. `output_dir/launch/hostfile` (DeepSpeed's `host slots=N`) and `output_dir/launch/deepspeed_env`
    (the job's `runtime.environment`) are written.
 Then `deepspeed ... astrai/train.py --config job.yaml [--set ...]` runs (astrai/preflight.py with
 --check), or with --dry-run its exact command line is printed on stdout.
@@ -50,6 +51,7 @@ from typing import Any, Mapping
 
 from astrai.config import ConfigError
 from astrai.preflight import LAUNCHER_VARIABLE, render_environment
+from astrai.run_lock import in_use_message, live_holder
 
 ASTRAI_FOLDER = Path(__file__).resolve().parent
 HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")  # DeepSpeed's own hostfile grammar (runner._parse_hostfile)
@@ -343,7 +345,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def launch_main(argv: list[str] | None = None) -> int:
-    """Exit status: the launcher's (0 when every rank succeeded); 2 when the job or host list is wrong."""
+    """Exit status: the launcher's (0 when every rank succeeded); 2 when the job or host list is wrong; 1 when output_dir is in use."""
     args = parse_args(argv)
     from astrai.train import load_and_check  # the very checks every rank runs on the job file
 
@@ -354,6 +356,11 @@ def launch_main(argv: list[str] | None = None) -> int:
             require_programs(job.infra.launcher)
             if job.infra.launcher in SSH_LAUNCHERS:  # slurm's srun and no_ssh need no ssh
                 probe_nodes(plan.nodes)
+        # no_ssh nodes 1.. run after node 0, whose own job may hold the lock already
+        holder = None if args.node_rank else live_holder(job.output_dir)
+        if holder is not None:  # checked before the launch files are written into its output_dir
+            print(f"astrai launch: {in_use_message(job.output_dir, holder)}", file=sys.stderr)
+            return 1
         write_launch_files(plan)
     except (ConfigError, OSError) as error:
         print(f"astrai launch: {error}", file=sys.stderr)

@@ -350,18 +350,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ.update(render_environment(job.runtime.environment))
     prepare_rank_environment()
-    write_rank_report(job)
-    from astrai.engine import set_log_format, setup_distributed, shutdown_distributed
+    from astrai.launcher_watch import at_orphan_exit, watch_launchers
+    from astrai.run_lock import OutputDirLockedError, agree_on_lock, lock_for_this_rank
+
+    watch_launchers()
+    lock, refusal = lock_for_this_rank(job.output_dir, args.config)  # its reports go into output_dir too
+    at_orphan_exit(lock.release)
+    if refusal is None:
+        write_rank_report(job)
+    from astrai.engine import all_gather_objects, set_log_format, setup_distributed, shutdown_distributed
 
     dist = setup_distributed(job.runtime.dist_timeout_s)
     set_log_format(dist.rank, "INFO")
     try:
+        agree_on_lock(refusal, all_gather_objects)
         summary = preflight_check(job, dist, write_rank_report(job, dist))
-    except PreflightError as error:
+    except (PreflightError, OutputDirLockedError) as error:
         logger.error("%s", error)
         return 1
     finally:
         shutdown_distributed()
+        lock.release()
     if dist.is_main:
         print(f"preflight ok: {summary['world_size']} ranks on {len(summary['nodes'])} nodes; reports in {ranks_folder(job)}")
     return 0

@@ -48,6 +48,12 @@ def load_and_check(config_path: str, overrides: list[str]):
         strategy = strategy_class(job.train.train_type)
     except KeyError as error:
         raise ConfigError(f"{config_path}: {error.args[0]}") from None
+    output_dir, hf_dir = Path(job.output_dir).resolve(), Path(job.export.hf_dir).resolve()
+    if job.export.on_finish and (hf_dir == output_dir or hf_dir in output_dir.parents):  # an export replaces it whole
+        raise ConfigError(
+            f"{config_path}: `export.hf_dir` {job.export.hf_dir!r} is or contains `output_dir`: the export at the end "
+            "would replace the run; use e.g. <output_dir>/hf"
+        )
     # The launcher exports WORLD_SIZE before it starts the ranks, so batch splits are checked here too.
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
@@ -65,6 +71,9 @@ def apply_environment(environment: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from astrai.launcher_watch import watch_launchers
+
+    watch_launchers()  # a rank of DeepSpeed's launcher stops within seconds when that launcher is gone
     from astrai.config import ConfigError
 
     try:
@@ -78,22 +87,28 @@ def main(argv: list[str] | None = None) -> int:
     from astrai.checkpoint import CheckpointError
     from astrai.config import dump_job
     from astrai.data.sources import DataError
-    from astrai.engine import CollectiveStalledError, set_log_format, setup_distributed, shutdown_distributed, tune_malloc
+    from astrai.engine import CollectiveStalledError, all_gather_objects, set_log_format, setup_distributed, shutdown_distributed, tune_malloc
     from astrai.export import ExportError
     from astrai.models.policy import ModelError
     from astrai.models.tokenizer import TokenizerError
     from astrai.rollout.rewards import RewardError
+    from astrai.launcher_watch import at_orphan_exit
+    from astrai.run_lock import OutputDirLockedError, agree_on_lock, lock_for_this_rank
     from astrai.preflight import PreflightError, preflight_check, prepare_rank_environment, write_rank_report
     from astrai.trainer import TRAIN_LOOPS
 
     prepare_rank_environment()  # ranks started by mpirun/srun get torch's RANK, WORLD_SIZE, LOCAL_RANK
-    write_rank_report(job)  # written before the rendezvous, so it exists even if that hangs
     # Before the rendezvous (the launcher's RANK names the rank), so what setup logs (the threads per rank) is shown.
     set_log_format(int(os.environ.get("RANK", "0")), os.environ.get("ASTR_LOG_LEVEL") or job.runtime.log_level)
+    lock, refusal = lock_for_this_rank(job.output_dir, args.config)  # before anything is written into output_dir
+    at_orphan_exit(lock.release)
+    if refusal is None:
+        write_rank_report(job)  # written before the rendezvous, so it exists even if that hangs
     dist = setup_distributed(job.runtime.dist_timeout_s)
     if job.runtime.tune_malloc:
         tune_malloc()
     try:
+        agree_on_lock(refusal, all_gather_objects)  # every rank stops here, together, when output_dir is taken
         output_dir = Path(job.output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
         if dist.is_main:
@@ -111,11 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:  # found only once the ranks are known (e.g. a batch that does not split over them)
         logger.error("%s: %s", args.config, error)
         return 2
-    except (DataError, ModelError, TokenizerError, CheckpointError, ExportError, PreflightError, RewardError, CollectiveStalledError) as error:
+    except (DataError, ModelError, TokenizerError, CheckpointError, ExportError, PreflightError, RewardError, CollectiveStalledError, OutputDirLockedError) as error:
         logger.error("%s", error, exc_info=bool(os.environ.get("ASTR_DEBUG")))
         return 1
     finally:
         shutdown_distributed()
+        lock.release()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -327,15 +328,24 @@ class RewardComponent(Section):
     url: str | None = Field(None, description="HTTP service: POST JSON prompts/responses/rows, answer {\"rewards\": [...]}.")
     name: str | None = Field(None, description="Name in errors and metrics (default: the function's name, the model folder's name or the URL).")
     weight: float = Field(1.0, description="Multiplier of this reward in the weighted sum.")
-    timeout_s: float = Field(30.0, gt=0, description="`url`: seconds to wait for one answer.")
+    timeout_s: float = Field(30.0, gt=0, description="`url`: seconds one attempt may take in all: connect, send, and read the whole answer.")
     retries: int = Field(2, ge=0, description="`url`: further attempts after a failed one (connection error, timeout, HTTP 408/429/5xx).")
     retry_backoff_s: float = Field(1.0, ge=0, description="`url`: wait before the first retry, doubled before each next one.")
     batch_size: int = Field(8, ge=1, description="`model_path`: responses per reward-model forward.")
+    max_response_bytes: int = Field(16 * 2**20, ge=1, description="`url`: largest answer accepted, in bytes; a larger one is an error.")
 
     @model_validator(mode="after")
     def _one_source(self) -> "RewardComponent":
         if sum(value is not None for value in (self.function, self.model_path, self.url)) != 1:
             raise ValueError("give exactly one of `function`, `model_path` or `url`")
+        return self
+
+    @model_validator(mode="after")
+    def _http_url(self) -> "RewardComponent":
+        if self.url is not None:
+            parts = urlsplit(self.url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"`url` {self.url!r} must be an http:// or https:// address with a host")
         return self
 
 

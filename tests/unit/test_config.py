@@ -101,6 +101,20 @@ def test_export_goes_under_the_output_dir_unless_given(tmp_path):
     assert load_job(write_job(tmp_path), ["export.hf_dir=/x/hf"]).export.hf_dir == "/x/hf"
 
 
+def test_export_never_targets_the_output_dir_or_a_folder_holding_it(tmp_path):
+    """export.on_finish replaces export.hf_dir whole: pointing it at the run (or above it) fails before any rank
+    starts; a checkpoint's job.yaml that does (an older run) still loads, so that it can be exported elsewhere."""
+    from astrai.train import load_and_check
+
+    for destination in (tmp_path / "out", tmp_path):
+        with pytest.raises(ConfigError, match=r"`export.hf_dir` .* is or contains `output_dir`: the export at the end"):
+            load_and_check(write_job(tmp_path), [f"export.hf_dir={destination}", "export.on_finish=true"])
+        assert load_job(write_job(tmp_path), [f"export.hf_dir={destination}", "export.on_finish=true"])
+    beside = tmp_path / "out-hf"
+    assert load_and_check(write_job(tmp_path), [f"export.hf_dir={beside}", "export.on_finish=true"])
+    assert load_and_check(write_job(tmp_path), [f"export.hf_dir={tmp_path}", "export.on_finish=false"])
+
+
 def test_bad_override_is_named(tmp_path):
     with pytest.raises(ConfigError, match=r"--set train\.max_stepz=3: train\.max_stepz: unknown key"):
         load_job(write_job(tmp_path), ["train.max_stepz=3"])

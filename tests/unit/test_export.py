@@ -212,6 +212,37 @@ def test_non_empty_destination_needs_overwrite(tmp_path, checkpoint, capsys):
     assert export_main([str(checkpoint), str(empty), "--no-verify"]) == 0  # an empty folder is fine
 
 
+def listing(folder: Path) -> dict[str, int]:
+    """Every file below `folder` with its size: what a refused export must leave exactly as it was."""
+    return {str(path.relative_to(folder)): path.stat().st_size for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def test_overwrite_never_replaces_a_run_folder_or_a_checkpoint(tmp_path, trained, checkpoint, capsys):
+    run_copy = tmp_path / "run"
+    shutil.copytree(trained, run_copy)
+    before = listing(run_copy)
+    assert export_main([str(checkpoint), str(run_copy), "--no-verify", "--overwrite"]) == 1
+    error = capsys.readouterr().err
+    assert f"destination {run_copy} is a training run's folder (it holds checkpoints, metrics.jsonl, job.yaml)" in error
+    assert listing(run_copy) == before
+    # A folder that only holds a checkpoint, deep down (and no run files) is refused too, naming the manifest.
+    holder = tmp_path / "holder"
+    shutil.copytree(checkpoint, holder / "saved" / "best")
+    (holder / "notes.txt").write_text("mine")
+    before = listing(holder)
+    assert export_main([str(checkpoint), str(holder), "--no-verify", "--overwrite"]) == 1
+    manifest = holder / "saved" / "best" / "manifest.json"
+    assert f"destination {holder} holds a checkpoint ({manifest})" in capsys.readouterr().err
+    assert listing(holder) == before
+    # The checkpoint folder itself, and export.on_finish pointed at the output_dir: refused, nothing deleted.
+    before, own = listing(run_copy), run_copy / "checkpoints" / checkpoint.name
+    with pytest.raises(ExportError, match="holds a checkpoint"):
+        export_checkpoint(own, run_copy / "checkpoints", verify=False, overwrite=True)
+    with pytest.raises(ExportError, match="is a training run's folder"):
+        export_checkpoint(own, run_copy, verify=False, overwrite=True)
+    assert listing(run_copy) == before
+
+
 def test_corrupt_checkpoint_is_refused_unless_no_verify(tmp_path, checkpoint, capsys):
     copy = shutil.copytree(checkpoint, tmp_path / "step_00000005")
     state_file = copy / "trainer_state.json"

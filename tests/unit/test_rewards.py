@@ -1,10 +1,14 @@
 """Rewards: the arithmetic verifier, function loading and argument passing, every error naming its reward,
 weighted components, a real HTTP service on loopback (built from the YAML section; retries, a down server,
-answers of the wrong length, NaN, non-JSON), a local reward model."""
+answers of the wrong length, NaN, non-JSON; the client's hard limits against a dripping server, a huge
+answer, a redirect, a non-HTTP address), a local reward model."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
+import socket
 import sys
 import threading
 import time
@@ -275,3 +279,133 @@ def test_reward_config_takes_exactly_one_source():
         RewardConfig(function="a:b", url="http://x")
     with pytest.raises(ValueError, match="exactly one of `function`, `model_path` or `url`"):
         RewardConfig(components=[{"weight": 2.0}])
+
+
+# ----------------------------------------------------------------------------- hard limits of the HTTP client
+
+
+def serve_raw(handle):
+    """A TCP server on 127.0.0.1 whose every connection runs `handle(connection)` in its own thread; yields its port."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def accept():
+        while not stop.is_set():
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=handle, args=(connection, stop), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    return listener, stop
+
+
+@contextlib.contextmanager
+def raw_service(handle):
+    listener, stop = serve_raw(handle)
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/score"
+    finally:
+        stop.set()
+        listener.close()
+
+
+def read_request(connection) -> None:
+    """Read one request's head and body (Content-Length) so that the client's send completes."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += connection.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    length = int(next(line.split(b":")[1] for line in lines if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += connection.recv(65536)
+
+
+def call_bounded(reward, bound_s=30.0):
+    """Call `reward(INPUTS)` in a thread; the error it raised, or a failure if it is still running after bound_s."""
+    outcome = {}
+
+    def target():
+        try:
+            outcome["value"] = reward(INPUTS)
+        except Exception as error:  # noqa: BLE001 - the test inspects it
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(bound_s)
+    assert not thread.is_alive(), f"the reward call still runs after {bound_s} s"
+    return outcome.get("error")
+
+
+def drip(connection, stop):
+    """A status line, then one header byte every 0.2 s for as long as the client listens."""
+    with connection:
+        read_request(connection)
+        connection.sendall(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+        while not stop.is_set():
+            time.sleep(0.2)
+            try:
+                connection.sendall(b"a")
+            except OSError:
+                return
+
+
+def test_http_reward_timeout_bounds_the_whole_request_against_a_dripping_server():
+    with raw_service(drip) as url:
+        error = call_bounded(http_from_yaml(url, timeout_s=1, retries=1, retry_backoff_s=0.01))
+    assert isinstance(error, RewardError), error
+    expected = r"no answer after 2 attempts .*last error: no complete answer within timeout_s 1 s"
+    assert re.search(expected, str(error)), error
+
+
+def endless_body(declare_length):
+    def handle(connection, stop):
+        with connection:
+            read_request(connection)
+            head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+            head += b"Content-Length: 100000000\r\n\r\n" if declare_length else b"Connection: close\r\n\r\n"
+            try:
+                connection.sendall(head)
+                while not stop.is_set():
+                    connection.sendall(b"[" + b"1.0, " * 20000)
+            except OSError:
+                return
+
+    return handle
+
+
+@pytest.mark.parametrize(("declare_length", "message"), [(True, "declares 100000000 bytes"), (False, "is larger than")])
+def test_http_reward_refuses_an_answer_over_max_response_bytes(declare_length, message):
+    with raw_service(endless_body(declare_length)) as url:
+        error = call_bounded(http_from_yaml(url, timeout_s=20, retries=2, max_response_bytes=1000))
+    assert isinstance(error, RewardError), error
+    assert f"reward 'scorer': the answer from {url} {message}" in str(error) and "max_response_bytes 1000" in str(error)
+
+
+def test_http_reward_never_follows_a_redirect(service):
+    target = service  # a working service: following the redirect would score the responses
+    location = target.encode()
+
+    def redirect(connection, stop):
+        with connection:
+            read_request(connection)
+            connection.sendall(b"HTTP/1.1 302 Found\r\nLocation: " + location + b"\r\nContent-Length: 0\r\n\r\n")
+
+    with raw_service(redirect) as url:
+        error = call_bounded(http_from_yaml(url, retries=2))
+    assert isinstance(error, RewardError), error
+    assert f"the service at {url} answered HTTP 302, a redirect to {target!r}; redirects are not followed" in str(error)
+    assert RewardService.requests == []  # neither followed nor retried
+
+
+@pytest.mark.parametrize("url", ["file:///etc/passwd", "ftp://127.0.0.1/score", "127.0.0.1:8080/score", "http:///x"])
+def test_reward_url_must_be_http_or_https(url):
+    with pytest.raises(ValueError, match="must be an http:// or https:// address with a host"):
+        RewardConfig(url=url)
+    with pytest.raises(ValueError, match="must be an http:// or https:// address with a host"):
+        RewardConfig(components=[{"url": url}])
+    with pytest.raises(RewardError, match=r"reward.url: .* must be an http:// or https:// address"):
+        HttpReward(url, timeout_s=1, retries=0, backoff_s=0)
