@@ -24,7 +24,9 @@ from astrai.checkpoint import (
     step_dir_name, verify_checkpoint,
 )
 from astrai.config import dump_job, parse_yaml
-from astrai.engine import CheckpointDamagedError, all_gather_objects, barrier
+from astrai.checkpoint.errors import CheckpointVerifyError
+from astrai.checkpoint.verify import list_files, scan_pickles
+from astrai.engine import CheckpointDamagedError, UnsafeCheckpointError, all_gather_objects, barrier
 from astrai.metrics import METRICS_FILE, trim_metrics
 from astrai.rng_state import capture_rng, decode_rng, restore_rng
 from astrai.topology import continue_position, load_portable_part, resume_source
@@ -273,8 +275,10 @@ class TrainingCheckpoints:
         run = self.run
         problem = self._check_before_loading(path) if run.dist.is_main else None
         problem = all_gather_objects(problem)[0]
+        if problem is not None and problem[0] == "unsafe":
+            raise UnsafeCheckpointError(problem[1])  # a crafted file: refused, never skipped for an older checkpoint
         if problem is not None:
-            return None, problem
+            return None, problem[1]
         state, outcome, own_error = None, None, None
         try:
             state = self._load(path)
@@ -292,17 +296,24 @@ class TrainingCheckpoints:
         damaged = [item[1] for item in outcomes if item]
         return (None, damaged[0]) if damaged else (state, None)
 
-    def _check_before_loading(self, path: Path) -> str | None:
-        """Rank 0's check of `path` against its manifest: sizes, file types and the step (`verify --quick`, ~0 s),
-        or every digest with checkpoint.verify_on_load. What is wrong, or None (a legacy checkpoint: nothing to check)."""
+    def _check_before_loading(self, path: Path) -> tuple[str, str] | None:
+        """Rank 0's check of `path`, for every rank: against its manifest, the sizes, file types and step
+        (`verify --quick`, ~0 s) or, with checkpoint.verify_on_load, every digest too; then each pickle's
+        opcodes (a torch file's zip directory and data.pkl only, not its tensors): one that does not parse
+        (a truncated shard) is damage, one naming code is refused (UnsafeCheckpointError, raised).
+        Returns None, or ("damaged" | "unsafe", what is wrong)."""
+        digests = self.run.job.checkpoint.verify_on_load
         try:
-            if read_manifest(path) is None:
-                return None
-            report = verify_checkpoint(path, digests=self.run.job.checkpoint.verify_on_load)
+            manifest = read_manifest(path)
+            if manifest is not None:
+                report = verify_checkpoint(path, digests=digests)
+                checked = "verified" if report.digests_checked else "checked the sizes of"
+                logger.info("%s %s: %d files, %d bytes in %.2f s", checked, path, report.files, report.bytes, report.seconds)
+            if manifest is None or not digests:  # a full verify scanned the pickles already
+                scan_pickles(path, manifest.files if manifest is not None else list_files(path))
         except CheckpointError as error:
-            return " ".join(str(error).split())
-        checked = "verified" if report.digests_checked else "checked the sizes of"
-        logger.info("%s %s: %d files, %d bytes in %.2f s", checked, path, report.files, report.bytes, report.seconds)
+            unsafe = isinstance(error, CheckpointVerifyError) and error.reason == "unsafe pickle"
+            return ("unsafe" if unsafe else "damaged", " ".join(str(error).split()))
         return None
 
     def _load(self, path: Path) -> TrainerState:

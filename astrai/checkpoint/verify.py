@@ -127,6 +127,8 @@ def scan_pickles(checkpoint_dir: Path, paths: Iterable[str]) -> None:
     opcodes are read, nothing is unpickled. A pickle that does not parse is "unreadable"."""
     for path in paths:
         try:
+            if not stat.S_ISREG((Path(checkpoint_dir) / path).stat().st_mode):  # never opened: a FIFO would block
+                raise CheckpointVerifyError(checkpoint_dir, "special file", "a FIFO, socket or device, not a regular file: refused", path)
             code = disallowed_globals(Path(checkpoint_dir) / path)
         except (PickleScanError, OSError) as error:
             raise CheckpointVerifyError(checkpoint_dir, "unreadable", f"its pickle does not parse ({error})", path) from None
