@@ -20,8 +20,8 @@ import numpy
 import torch
 
 from astrai.checkpoint import (
-    CheckpointError, CheckpointPublisher, FileDigest, StreamedFiles, find_latest, parse_step_dir_name, read_manifest, require_parts,
-    step_dir_name, verify_checkpoint,
+    CheckpointError, CheckpointPublisher, FileDigest, StreamedFiles, find_latest, parse_step_dir_name, read_manifest,
+    require_parts, step_dir_name, verify_checkpoint,
 )
 from astrai.config import dump_job, parse_yaml
 from astrai.checkpoint.errors import CheckpointVerifyError
@@ -44,7 +44,7 @@ class TrainerState:
     policy_version: int = 0
     elapsed_s: float = 0.0
     world_size: int = 1
-    rng: list = field(default_factory=list)  # one RNG snapshot per rank (astrai/rng_state.py; JSON data, never a pickle)
+    rng: list = field(default_factory=list)  # one RNG snapshot per rank (astrai/rng_state.py: JSON, never a pickle)
     strategy: dict = field(default_factory=dict)  # the strategy's own state (online_ppo: the KL controller)
 
 
@@ -84,7 +84,8 @@ def read_trainer_state(path: Path) -> TrainerState:
     known = {item.name for item in fields(TrainerState)}
     for key, value in document.items():
         if key in known and not _field_type_ok(value, types[key]):
-            raise CheckpointError(f"{path}: {key} is {value!r} ({type(value).__name__}), expected {getattr(types[key], '__name__', types[key])}")
+            expected = getattr(types[key], "__name__", types[key])
+            raise CheckpointError(f"{path}: {key} is {value!r} ({type(value).__name__}), expected {expected}")
         if key in known and isinstance(value, int) and not isinstance(value, bool) and value < 0:
             raise CheckpointError(f"{path}: {key} is {value}, expected a count >= 0")
     ignored = sorted(set(document) - known)
@@ -252,8 +253,8 @@ class TrainingCheckpoints:
             if damage is None:
                 if first_damage is not None and run.dist.is_main:
                     logger.warning(
-                        "checkpoint %s is damaged (%s): resumed from the previous valid checkpoint %s instead", first_damage[0],
-                        first_damage[1], candidate,
+                        "checkpoint %s is damaged (%s): resumed from the previous valid checkpoint %s instead",
+                        first_damage[0], first_damage[1], candidate,
                     )
                 return state
             if run.job.checkpoint.resume != "auto":
@@ -265,8 +266,8 @@ class TrainingCheckpoints:
             if candidate is not None and run.dist.is_main:
                 logger.info("trying the previous checkpoint %s", candidate)
         raise CheckpointError(
-            f"no valid checkpoint to resume from: {first_damage[0]} is damaged ({first_damage[1]}) and no older published checkpoint "
-            f"loads (set checkpoint.resume: never to start afresh)"
+            f"no valid checkpoint to resume from: {first_damage[0]} is damaged ({first_damage[1]}) and no older "
+            "published checkpoint loads (set checkpoint.resume: never to start afresh)"
         )
 
     def _attempt(self, path: Path) -> tuple[TrainerState | None, str | None]:
@@ -308,7 +309,9 @@ class TrainingCheckpoints:
             if manifest is not None:
                 report = verify_checkpoint(path, digests=digests)
                 checked = "verified" if report.digests_checked else "checked the sizes of"
-                logger.info("%s %s: %d files, %d bytes in %.2f s", checked, path, report.files, report.bytes, report.seconds)
+                logger.info(
+                    "%s %s: %d files, %d bytes in %.2f s", checked, path, report.files, report.bytes, report.seconds
+                )
             if manifest is None or not digests:  # a full verify scanned the pickles already
                 scan_pickles(path, manifest.files if manifest is not None else list_files(path))
         except CheckpointError as error:

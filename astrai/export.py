@@ -84,7 +84,8 @@ def check_checkpoint(checkpoint: Path, part: str, verify: bool) -> None:
             logger.info("verified %s: %d files, %s", checkpoint, report.files, report.algorithm)
     if not (checkpoint / part).is_dir():
         raise ExportError(f"{checkpoint}: no {part}/ folder (not an AstrAI checkpoint?)")
-    if os.path.lexists(checkpoint / "job.yaml") and not (checkpoint / "job.yaml").is_file():  # reading a FIFO would block forever
+    # A FIFO in its place would block the reader forever.
+    if os.path.lexists(checkpoint / "job.yaml") and not (checkpoint / "job.yaml").is_file():
         raise ExportError(f"{checkpoint}/job.yaml: not a regular file (a FIFO, socket or device): refused")
     if not (checkpoint / "job.yaml").is_file():
         raise ExportError(f"{checkpoint}: no job.yaml, so the model's architecture is unknown")

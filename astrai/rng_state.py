@@ -52,7 +52,27 @@ def _is_int(value) -> bool:
 
 
 def _words(value, count: int, bound: int) -> bool:
-    return isinstance(value, list) and len(value) == count and all(_is_int(word) and 0 <= word <= bound for word in value)
+    """`count` integers in [0, bound]."""
+    if not isinstance(value, list) or len(value) != count:
+        return False
+    return all(_is_int(item) and 0 <= item <= bound for item in value)
+
+
+def _python_state_ok(state) -> bool:
+    """[version, 625 words, gauss_next or null] (random.getstate())."""
+    return (
+        isinstance(state, list) and len(state) == 3 and _is_int(state[0])
+        and _words(state[1], PYTHON_STATE_WORDS, 2**32) and (state[2] is None or isinstance(state[2], (int, float)))
+    )
+
+
+def _numpy_state_ok(state) -> bool:
+    """[name, 624 uint32, pos, has_gauss, cached_gaussian] (numpy.random.get_state())."""
+    return (
+        isinstance(state, list) and len(state) == 5 and isinstance(state[0], str)
+        and _words(state[1], NUMPY_STATE_WORDS, 2**32 - 1) and _is_int(state[2]) and _is_int(state[3])
+        and isinstance(state[4], (int, float))
+    )
 
 
 def _from_pickle(entry: str, source: Path, rank: int) -> dict:
@@ -73,31 +93,30 @@ def _from_pickle(entry: str, source: Path, rank: int) -> dict:
         if "cuda" in snapshot:
             converted["cuda"] = _tensor_text(snapshot["cuda"])
     except (KeyError, TypeError, ValueError, AttributeError) as error:
-        raise CheckpointError(f"{source}: rng[{rank}] (an old-format RNG state) is not one: {type(error).__name__}: {error}") from None
+        detail = f"{type(error).__name__}: {error}"
+        raise CheckpointError(f"{source}: rng[{rank}] (an old-format RNG state) is not one: {detail}") from None
     return converted
 
 
 def decode_rng(entry, source: Path, rank: int) -> dict:
     """Rank `rank`'s entry of trainer_state.json `rng`, validated, in the JSON format (old ones converted).
     CheckpointError naming `source` and the bad key; UnsafeCheckpointError for a pickle naming code."""
+    where = f"{source}: rng[{rank}]"
     if isinstance(entry, str):
         entry = _from_pickle(entry, source, rank)
     if not isinstance(entry, dict) or not {"python", "numpy", "torch"} <= set(entry):
-        raise CheckpointError(f"{source}: rng[{rank}] must be an object with python, numpy and torch states, got {type(entry).__name__}")
-    python, numpy_state = entry["python"], entry["numpy"]
-    if not (isinstance(python, list) and len(python) == 3 and _is_int(python[0]) and _words(python[1], PYTHON_STATE_WORDS, 2**32)
-            and (python[2] is None or isinstance(python[2], (int, float)))):
-        raise CheckpointError(f"{source}: rng[{rank}].python must be [version, {PYTHON_STATE_WORDS} integers, gauss_next or null]")
-    if not (isinstance(numpy_state, list) and len(numpy_state) == 5 and isinstance(numpy_state[0], str)
-            and _words(numpy_state[1], NUMPY_STATE_WORDS, 2**32 - 1) and _is_int(numpy_state[2]) and _is_int(numpy_state[3])
-            and isinstance(numpy_state[4], (int, float))):
-        raise CheckpointError(f"{source}: rng[{rank}].numpy must be [name, {NUMPY_STATE_WORDS} uint32, pos, has_gauss, cached_gaussian]")
+        found = type(entry).__name__
+        raise CheckpointError(f"{where} must be an object with python, numpy and torch states, got {found}")
+    if not _python_state_ok(entry["python"]):
+        raise CheckpointError(f"{where}.python must be [version, {PYTHON_STATE_WORDS} integers, gauss_next or null]")
+    if not _numpy_state_ok(entry["numpy"]):
+        raise CheckpointError(f"{where}.numpy must be [name, {NUMPY_STATE_WORDS} uint32, pos, has_gauss, cached]")
     for key in ("torch", "cuda"):
         if key in entry:
             try:
                 base64.b64decode(entry[key], validate=True)
             except (binascii.Error, ValueError, TypeError):
-                raise CheckpointError(f"{source}: rng[{rank}].{key} must be a base64 string of the state's bytes") from None
+                raise CheckpointError(f"{where}.{key} must be a base64 string of the state's bytes") from None
     return entry
 
 

@@ -67,7 +67,9 @@ def verify_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="astrai verify", description=__doc__.splitlines()[0])
     parser.add_argument("path", type=Path, help="a checkpoint, a checkpoints folder, or a job's output_dir")
     parser.add_argument("--latest", action="store_true", help="verify only the newest published checkpoint")
-    parser.add_argument("--quick", action="store_true", help="check file lists, types, sizes and the step only: no digests, no pickle scan")
+    parser.add_argument(
+        "--quick", action="store_true", help="file lists, types, sizes and the step only (no digests, no pickle scan)"
+    )
     parser.add_argument("--hash-threads", type=int, default=None, help="hashing threads (default: min(8, CPUs))")
     parser.add_argument(
         "--require-parts", action="append", default=[], metavar="PART[,PART...]",

@@ -65,7 +65,8 @@ def check_folder_step(checkpoint_dir: Path, manifest: Manifest) -> None:
     folder_step = parse_step_dir_name(Path(checkpoint_dir).name)
     if folder_step is not None and folder_step != manifest.step:
         raise CheckpointVerifyError(
-            checkpoint_dir, "step mismatch", f"the manifest says step {manifest.step}, the folder name step {folder_step}", MANIFEST_NAME
+            checkpoint_dir, "step mismatch",
+            f"the manifest says step {manifest.step}, the folder name step {folder_step}", MANIFEST_NAME,
         )
 
 
@@ -128,16 +129,23 @@ def scan_pickles(checkpoint_dir: Path, paths: Iterable[str]) -> None:
     for path in paths:
         try:
             if not stat.S_ISREG((Path(checkpoint_dir) / path).stat().st_mode):  # never opened: a FIFO would block
-                raise CheckpointVerifyError(checkpoint_dir, "special file", "a FIFO, socket or device, not a regular file: refused", path)
+                detail = "a FIFO, socket or device, not a regular file: refused"
+                raise CheckpointVerifyError(checkpoint_dir, "special file", detail, path)
             code = disallowed_globals(Path(checkpoint_dir) / path)
         except (PickleScanError, OSError) as error:
-            raise CheckpointVerifyError(checkpoint_dir, "unreadable", f"its pickle does not parse ({error})", path) from None
+            detail = f"its pickle does not parse ({error})"
+            raise CheckpointVerifyError(checkpoint_dir, "unreadable", detail, path) from None
         if code:
-            detail = f"holds a pickle naming {', '.join(code)}, which is code, not checkpoint data: refused (loading it would run it)"
+            detail = (
+                f"holds a pickle naming {', '.join(code)}, which is code, not checkpoint data: "
+                "refused (loading it would run it)"
+            )
             raise CheckpointVerifyError(checkpoint_dir, "unsafe pickle", detail, path)
 
 
-def find_latest(checkpoints_dir: Path, *, verify: bool = False, hash_threads: int | None = None, before: int | None = None) -> Path | None:
+def find_latest(
+    checkpoints_dir: Path, *, verify: bool = False, hash_threads: int | None = None, before: int | None = None
+) -> Path | None:
     """The published checkpoint with the highest step (below `before`, when given) whose manifest reads
     (and verifies, if asked).
 

@@ -19,8 +19,8 @@ from astrai.engine.distributed import (
 from astrai.engine.ds_config import build_ds_config, deep_merge, effective_zero_stage, lr_lambda, parameter_groups, resolve_precision
 from astrai.engine.host_memory import tune_malloc
 from astrai.engine.engines import (
-    DS_TAG, PARAMETER_NAMES_KEY, CheckpointShapeError, Engine, FrozenEngine, check_shapes, consolidated_state_dict, make_engine,
-    make_frozen_engine, zero3_loading,
+    DS_TAG, PARAMETER_NAMES_KEY, CheckpointShapeError, Engine, FrozenEngine, check_shapes, consolidated_state_dict,
+    make_engine, make_frozen_engine, zero3_loading,
 )
 from astrai.engine.safe_load import (
     CheckpointDamagedError, UnsafeCheckpointError, load_snapshot_pickle, load_tensor_file, weights_only_torch_load,
@@ -31,5 +31,6 @@ __all__ = [
     "setup_distributed", "shutdown_distributed", "build_ds_config", "deep_merge", "effective_zero_stage", "lr_lambda",
     "parameter_groups", "resolve_precision", "DS_TAG", "PARAMETER_NAMES_KEY", "Engine", "FrozenEngine", "consolidated_state_dict",
     "make_engine", "make_frozen_engine", "zero3_loading", "tune_malloc", "CheckpointShapeError", "check_shapes",
-    "CheckpointDamagedError", "UnsafeCheckpointError", "load_snapshot_pickle", "load_tensor_file", "weights_only_torch_load",
+    "CheckpointDamagedError", "UnsafeCheckpointError", "load_snapshot_pickle", "load_tensor_file",
+    "weights_only_torch_load",
 ]

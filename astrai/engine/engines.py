@@ -154,7 +154,8 @@ class Engine:
         ZeRO-0), so `portable.fill_*` fill each layout, as that loader does for the ones it knows.
         """
         if hasattr(source, "shapes"):
-            check_shapes(getattr(source, "folder", "the portable checkpoint"), source.shapes(), self.module, compare_names=False)
+            folder = getattr(source, "folder", "the portable checkpoint")
+            check_shapes(folder, source.shapes(), self.module, compare_names=False)
         named = {name: parameter for name, parameter in self.module.named_parameters() if parameter.requires_grad}
         missing, unknown = sorted(set(named) - set(source.names)), sorted(set(source.names) - set(named))
         if missing or unknown:
@@ -254,19 +255,22 @@ def check_shapes(source, recorded: dict[str, tuple], module: torch.nn.Module, *,
     """Raise CheckpointShapeError naming the first parameter whose checkpoint shape (`recorded`: name ->
     shape) differs from `module`'s (ZeRO-3's partitioned ones: their full `ds_shape`), or (`compare_names`)
     the trainable parameters the checkpoint lacks and the names the model lacks."""
-    shapes = {name: tuple(getattr(parameter, "ds_shape", parameter.shape)) for name, parameter in module.named_parameters()}
-    trainable = {name for name, parameter in module.named_parameters() if parameter.requires_grad}  # what optimizers record
+    parameters = dict(module.named_parameters())
+    shapes = {name: tuple(getattr(parameter, "ds_shape", parameter.shape)) for name, parameter in parameters.items()}
+    trainable = {name for name, parameter in parameters.items() if parameter.requires_grad}  # what optimizers record
     every_name = {name for name, _ in module.named_parameters(remove_duplicate=False)}  # tied aliases included
     for name, shape in shapes.items():
         if name in recorded and tuple(recorded[name]) != shape:
             raise CheckpointShapeError(
-                f"{source}: parameter {name} has shape {list(recorded[name])} in the checkpoint but {list(shape)} in this job's model "
+                f"{source}: parameter {name} has shape {list(recorded[name])} in the checkpoint but {list(shape)} "
+                "in this job's model "
                 "(model.init / model.path differ from the run that saved it)"
             )
     missing, unknown = sorted(trainable - set(recorded)), sorted(set(recorded) - every_name)
     if compare_names and (missing or unknown):
         raise CheckpointShapeError(
-            f"{source}: the checkpoint's parameters differ from this job's model: missing {missing[:5]}, unknown {unknown[:5]} "
+            f"{source}: the checkpoint's parameters differ from this job's model: missing {missing[:5]}, "
+            f"unknown {unknown[:5]} "
             "(model.init / model.path differ from the run that saved it)"
         )
 

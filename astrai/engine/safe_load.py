@@ -89,12 +89,14 @@ def load_tensor_file(source, *, map_location=None, mmap: bool | None = None, **o
         code = _named_code(source, error)
         if code:
             raise UnsafeCheckpointError(
-                f"{_describe(source)}: refused: holds a pickle naming {', '.join(code)}, which is code, not checkpoint data "
+                f"{_describe(source)}: refused: holds a pickle naming {', '.join(code)}, which is code, "
+                "not checkpoint data "
                 "(loading it would run it)"
             ) from None
         raise CheckpointDamagedError(f"{_describe(source)}: unreadable ({_first_line(error)})") from None
     except (OSError, RuntimeError, EOFError, ValueError, KeyError, IndexError) as error:
-        raise CheckpointDamagedError(f"{_describe(source)}: unreadable ({type(error).__name__}: {_first_line(error)})") from None
+        detail = f"{type(error).__name__}: {_first_line(error)}"
+        raise CheckpointDamagedError(f"{_describe(source)}: unreadable ({detail})") from None
 
 
 def _first_line(error: Exception) -> str:
@@ -119,7 +121,7 @@ def weights_only_torch_load():
 
 @functools.cache
 def _safe_engine_class():
-    """DeepSpeed's TorchCheckpointEngine with `load` weights-only (imported at first use, like deepspeed everywhere here)."""
+    """DeepSpeed's TorchCheckpointEngine with `load` weights-only (deepspeed imported at first use, as everywhere)."""
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
@@ -207,9 +209,11 @@ def load_snapshot_pickle(data: bytes, source: Path):
         return _SnapshotUnpickler(io.BytesIO(data)).load()
     except _RefusedGlobal as error:
         raise UnsafeCheckpointError(
-            f"{source}: refused: an RNG state is a pickle naming {error}, which is code, not an RNG state (loading it would run it)"
+            f"{source}: refused: an RNG state is a pickle naming {error}, which is code, not an RNG state "
+            "(loading it would run it)"
         ) from None
     except CheckpointError as error:  # a tensor's storage inside the snapshot: refused or unreadable
         raise type(error)(f"{source}: in an RNG state: {error}") from None
     except Exception as error:  # a damaged pickle raises whatever its opcodes lead to
-        raise CheckpointDamagedError(f"{source}: an RNG state does not unpickle ({type(error).__name__}: {error})") from None
+        detail = f"{type(error).__name__}: {error}"
+        raise CheckpointDamagedError(f"{source}: an RNG state does not unpickle ({detail})") from None
