@@ -180,7 +180,8 @@ def history(tmp_path_factory):
     republished = (job.checkpoints / "step_00000001" / "manifest.json").read_bytes() != first_manifest
 
     newest = find_latest(job.checkpoints)
-    before_fallback = {"published": [step for step, _ in list_published(job.checkpoints)], "newest": newest, "hidden": list_hidden(job.checkpoints)}
+    published = [step for step, _ in list_published(job.checkpoints)]
+    before_fallback = {"published": published, "newest": newest, "hidden": list_hidden(job.checkpoints)}
     shard = max((path for path in (newest / "policy").rglob("*") if path.is_file()), key=lambda path: path.stat().st_size)
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
@@ -189,7 +190,8 @@ def history(tmp_path_factory):
     return {
         "job": job, "kills": kills, "ahead_of": ahead_of,
         "resumed": (resumed_code, resumed_log, resumed_hidden), "straight": (straight_code, straight_log, republished),
-        "fallback": (fallback_code, fallback_log, shard.relative_to(newest).as_posix(), newest), "before_fallback": before_fallback,
+        "fallback": (fallback_code, fallback_log, shard.relative_to(newest).as_posix(), newest),
+        "before_fallback": before_fallback,
     }
 
 
@@ -240,9 +242,12 @@ def test_verify_on_load_finds_a_flipped_byte_and_falls_back_to_the_previous_chec
     code, log, bad_file, checkpoint = history["fallback"]
     assert code == 0, log[-3000:]
     previous = job.checkpoints / f"step_{MAX_STEPS - 1:08d}"
-    assert f"checkpoint {checkpoint} is damaged (checkpoint {checkpoint} is not valid: wrong digest: {checkpoint}/{bad_file}" in log, log[-3000:]
-    assert f"resumed from the previous valid checkpoint {previous} instead" in log and f"resumed from {previous} at step {MAX_STEPS - 1}" in log
+    damaged = f"checkpoint {checkpoint} is damaged (checkpoint {checkpoint} is not valid: wrong digest: {checkpoint}/{bad_file}"
+    assert damaged in log, log[-3000:]
+    assert f"resumed from the previous valid checkpoint {previous} instead" in log
+    assert f"resumed from {previous} at step {MAX_STEPS - 1}" in log
     steps = [record["step"] for record in records(job.metrics)]
     assert steps == list(range(1, MAX_STEPS + 4))  # step 30's record trimmed, then 30..33 trained and logged once
-    assert [step for step, _ in list_published(job.checkpoints)][-1] == MAX_STEPS + 3 and list_hidden(job.checkpoints) == []
+    assert [step for step, _ in list_published(job.checkpoints)][-1] == MAX_STEPS + 3
+    assert list_hidden(job.checkpoints) == []
     verify_checkpoint(checkpoint)  # the damaged step republished whole

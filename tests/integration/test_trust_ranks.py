@@ -75,19 +75,21 @@ def launched(tmp_path_factory):
     folder = tmp_path_factory.mktemp("trust_ranks")
     config = write_job(folder, "job")
     checkpoints = folder / "job" / "checkpoints"
-    marker = folder / "marker"
+    marker, base_metrics = folder / "marker", folder / "base_metrics.jsonl"
     runs = [
         {"name": "base", "config": config, "set": [*COMMON, "train.max_steps=6"]},
         {"name": "truncated", "config": config, "set": [*COMMON, "train.max_steps=8"],
-         "prepare": [f"{HERE}:truncate", str(checkpoints / "step_00000006"), RANK1_SHARD, False, str(folder / "base_metrics.jsonl")]},
+         "prepare": [f"{HERE}:truncate", str(checkpoints / "step_00000006"), RANK1_SHARD, False, str(base_metrics)]},
         {"name": "sealed", "config": config, "set": [*COMMON, "train.max_steps=9"],
          "prepare": [f"{HERE}:truncate", str(checkpoints / "step_00000008"), RANK1_SHARD, True]},
-        {"name": "larger", "config": config, "set": [*COMMON, "train.max_steps=10", "model.init.hidden_size=64"], "expect_error": "shape"},
+        {"name": "larger", "config": config, "set": [*COMMON, "train.max_steps=10", "model.init.hidden_size=64"],
+         "expect_error": "shape"},
         {"name": "payload", "config": config, "set": [*COMMON, "train.max_steps=10"], "expect_error": "refused",
          "prepare": [f"{HERE}:plant_payload", str(checkpoints / "step_00000009"), RANK1_SHARD, str(marker)]},
     ]
     results = launch_plan(folder, runs)
-    return {"folder": folder, "results": results, "log": (folder / "launch.log").read_text(), "checkpoints": checkpoints, "marker": marker}
+    log = (folder / "launch.log").read_text()
+    return {"folder": folder, "results": results, "log": log, "checkpoints": checkpoints, "marker": marker}
 
 
 def test_damage_on_one_ranks_shard_falls_back_on_both_ranks_and_training_continues(launched):
@@ -96,10 +98,13 @@ def test_damage_on_one_ranks_shard_falls_back_on_both_ranks_and_training_continu
     assert results["truncated"] == {"ok": True, "error": None, "step": 8}, results
     assert results["sealed"] == {"ok": True, "error": None, "step": 9}, results
     for damaged, previous, why in ((6, 5, "wrong size"), (8, 7, "unreadable")):
-        line = next(line for line in log.splitlines() if f"checkpoint {checkpoints}/step_{damaged:08d} is damaged" in line)
-        assert why in line and RANK1_SHARD in line and f"previous valid checkpoint {checkpoints}/step_{previous:08d} instead" in line
+        damage = f"checkpoint {checkpoints}/step_{damaged:08d} is damaged"
+        line = next(line for line in log.splitlines() if damage in line)
+        assert why in line and RANK1_SHARD in line
+        assert f"previous valid checkpoint {checkpoints}/step_{previous:08d} instead" in line
     assert log.count("resumed from the previous valid checkpoint") == 2  # rank 0 alone says it, once per fallback
-    base = {record["step"]: record for record in (json.loads(line) for line in (launched["folder"] / "base_metrics.jsonl").read_text().splitlines())}
+    base_lines = (launched["folder"] / "base_metrics.jsonl").read_text().splitlines()
+    base = {record["step"]: record for record in map(json.loads, base_lines)}
     resumed = {record["step"]: record for record in metrics(launched["folder"], "job")}
     assert sorted(resumed) == list(range(1, 10))
     assert resumed[6]["loss"] == pytest.approx(base[6]["loss"], rel=1e-6)  # step 6 trained again from step 5's state
@@ -113,7 +118,8 @@ def test_job_errors_and_crafted_shards_stop_both_ranks_with_one_line(launched):
     assert not larger["ok"] and "parameter model.embed_tokens.weight has shape [" in larger["error"], larger
     assert ", 32] in the checkpoint but [" in larger["error"] and ", 64] in this job's model" in larger["error"]
     payload = results["payload"]
-    assert not payload["ok"] and f"{checkpoints}/step_00000009/{RANK1_SHARD}" in payload["error"] and "posix.system" in payload["error"], payload
+    assert not payload["ok"] and f"{checkpoints}/step_00000009/{RANK1_SHARD}" in payload["error"], payload
+    assert "posix.system" in payload["error"]
     assert "\n" not in larger["error"] + payload["error"]
     assert not launched["marker"].exists()
     assert read_manifest(checkpoints / "step_00000009").step == 9  # refused, not skipped: nothing was republished

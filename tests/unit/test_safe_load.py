@@ -28,16 +28,24 @@ class Payload:
         return os.system, (f"touch {self.marker}",)
 
 
-@pytest.mark.parametrize("stage,precision", [(0, "fp32"), (0, "bf16"), (1, "bf16"), (2, "fp32"), (3, "fp32"), (3, "bf16")])
+STAGES = [(0, "fp32"), (0, "bf16"), (1, "bf16"), (2, "fp32"), (3, "fp32"), (3, "bf16")]
+
+
+@pytest.mark.parametrize("stage,precision", STAGES)
 def test_deepspeed_files_of_every_stage_scan_clean_and_load_weights_only(one_rank, tmp_path, stage, precision):
     from astrai.config.schema import DeepSpeedSection
     from astrai.engine import build_ds_config, make_engine
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                         num_key_value_heads=1, max_position_embeddings=16, tie_word_embeddings=True))
-    config = build_ds_config(DeepSpeedSection(zero_stage=stage, single_rank_stage0=False), template_path=None, micro_batch_size=2,
-                             grad_accum_steps=1, max_grad_norm=1.0, precision=precision, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, world_size=1)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=16, tie_word_embeddings=True,
+    ))
+    section = DeepSpeedSection(zero_stage=stage, single_rank_stage0=False)  # ZeRO-1/2 kept on one rank
+    config = build_ds_config(
+        section, template_path=None, micro_batch_size=2, grad_accum_steps=1, max_grad_norm=1.0, precision=precision,
+        lr=1e-2, betas=(0.9, 0.999), eps=1e-8, world_size=1,
+    )
     engine = make_engine(model, config, weight_decay=0.1, schedule=lambda completed: 1.0)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     engine.backward(engine(input_ids=ids, labels=ids).loss)
@@ -59,7 +67,8 @@ def test_deepspeed_files_of_every_stage_scan_clean_and_load_weights_only(one_ran
 
 def test_the_scan_names_globals_whatever_the_protocol(tmp_path):
     marker = tmp_path / "marker"
-    for protocol in range(0, pickle.HIGHEST_PROTOCOL + 1):  # 0-1: GLOBAL text opcodes; 4-5: STACK_GLOBAL from memoised strings
+    # Protocols 0-1: GLOBAL text opcodes; 4-5: STACK_GLOBAL, the second time from memoised strings.
+    for protocol in range(0, pickle.HIGHEST_PROTOCOL + 1):
         data = pickle.dumps([Payload(marker), Payload(marker)], protocol=protocol)
         assert "posix.system" in globals_of_torch_bytes(data), protocol
     # STACK_GLOBAL whose names are not plain strings on the stack cannot be named: reported as such, never allowed.
@@ -75,7 +84,7 @@ def test_the_scan_names_globals_whatever_the_protocol(tmp_path):
 
 def test_a_tensor_pickled_by_pickle_is_scanned_inside_its_storage_bytes():
     data = pickle.dumps({"state": torch.ones(3, dtype=torch.uint8)})
-    assert any(op.name == "BINBYTES" or op.name == "SHORT_BINBYTES" for op, _, _ in pickletools.genops(io.BytesIO(data)))
+    assert any(op.name in ("BINBYTES", "SHORT_BINBYTES") for op, _, _ in pickletools.genops(io.BytesIO(data)))
     assert "torch.ByteStorage" in globals_of_torch_bytes(data)  # named only inside the embedded legacy torch file
 
 
