@@ -133,33 +133,38 @@ def _globals_of_zip(source) -> list[str]:
         raise PickleScanError(f"unreadable zip archive ({error})") from None
 
 
-def globals_of_torch_bytes(data: bytes) -> list[str]:
-    """Every global a torch file's pickles name (zip format: each `*.pkl` member; legacy format: its
-    leading pickles; anything else: read as one plain pickle, and [] when it is none: bytes no
-    unpickler gets past). Raises PickleScanError for a torch file whose pickles do not parse."""
-    if data.startswith(ZIP_MAGIC):
-        return _globals_of_zip(io.BytesIO(data))
-    stream = io.BytesIO(data)
-    if not data.startswith(LEGACY_TORCH_PREFIX):
+def _globals_of_stream(stream, head: bytes) -> list[str]:
+    """A non-zip torch file (legacy format: its leading pickles, read in order from `stream`; the raw
+    storages after them are never read) or one plain pickle, which gives [] when it is none."""
+    if not head.startswith(LEGACY_TORCH_PREFIX):
         try:
             return list(_globals_of_pickle(stream))
         except PickleScanError:
-            return []
+            return []  # bytes no unpickler gets past
     found: list[str] = []
     for _ in range(LEGACY_TORCH_PICKLES):
         found.extend(_globals_of_pickle(stream))
     return found
 
 
+def globals_of_torch_bytes(data: bytes) -> list[str]:
+    """Every global a torch file's pickles name (zip format: each `*.pkl` member; legacy format: its
+    leading pickles; anything else: read as one plain pickle, and [] when it is none).
+    Raises PickleScanError for a torch file whose pickles do not parse."""
+    if data.startswith(ZIP_MAGIC):
+        return _globals_of_zip(io.BytesIO(data))
+    return _globals_of_stream(io.BytesIO(data), data[: len(LEGACY_TORCH_PREFIX)])
+
+
 def globals_of_file(path: Path) -> list[str]:
-    """The globals a torch/pickle file names; read whole, since its pickles are not at known offsets
-    in the legacy format (the zip format is read through its central directory)."""
+    """The globals a torch/pickle file names, reading only its pickles (zip: through its central directory)."""
     path = Path(path)
     with open(path, "rb") as handle:
-        head = handle.read(len(ZIP_MAGIC))
-    if head == ZIP_MAGIC:
-        return _globals_of_zip(path)
-    return globals_of_torch_bytes(path.read_bytes())
+        head = handle.read(len(LEGACY_TORCH_PREFIX))
+        if head == ZIP_MAGIC:
+            return _globals_of_zip(path)
+        handle.seek(0)
+        return _globals_of_stream(handle, head)
 
 
 def embedded_pickles(document: object) -> Iterator[bytes]:
