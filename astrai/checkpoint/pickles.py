@@ -20,7 +20,9 @@ import base64
 import binascii
 import io
 import json
+import os
 import pickletools
+import warnings
 import zipfile
 from pathlib import Path
 from typing import Iterator
@@ -76,6 +78,24 @@ class PickleScanError(ValueError):
     """A file that claims to be a pickle (by name or content) whose opcodes do not parse."""
 
 
+class _Bounded:
+    """A stream whose reads never ask for more than what is left: pickletools reads a length-prefixed
+    opcode's argument in one `read(n)`, and a damaged length (up to 2**64) would allocate n bytes first."""
+
+    def __init__(self, stream, size: int):
+        self._stream, self._end = stream, size
+
+    def read(self, count: int = -1) -> bytes:
+        left = max(0, self._end - self._stream.tell())
+        return self._stream.read(left if count is None or count < 0 else min(count, left))
+
+    def readline(self) -> bytes:
+        return self._stream.readline()
+
+    def tell(self) -> int:
+        return self._stream.tell()
+
+
 def _globals_of_pickle(stream: io.BufferedIOBase) -> Iterator[str]:
     """The globals one pickle (read from `stream` up to its STOP) names, as "module.name".
 
@@ -87,7 +107,10 @@ def _globals_of_pickle(stream: io.BufferedIOBase) -> Iterator[str]:
     memo: dict[int, object] = {}
     recent: list[object] = []  # values of the last pushes (enough for STACK_GLOBAL's two operands)
     try:
-        for opcode, argument, _ in pickletools.genops(stream):
+        with warnings.catch_warnings():  # a protocol-0 string of arbitrary bytes warns about its escapes
+            warnings.simplefilter("ignore", DeprecationWarning)
+            opcodes = list(pickletools.genops(stream))
+        for opcode, argument, _ in opcodes:
             name = opcode.name
             if name in MEMO_PUT_OPCODES:
                 memo[len(memo) if name == "MEMOIZE" else argument] = recent[-1] if recent else UNKNOWN
@@ -109,8 +132,8 @@ def _globals_of_pickle(stream: io.BufferedIOBase) -> Iterator[str]:
             elif name.startswith("EXT"):
                 yield "<computed name>"
             recent = (recent + [value])[-2:]
-    except (ValueError, EOFError) as error:  # pickletools' own errors for bad or truncated opcodes
-        raise PickleScanError(str(error)) from None
+    except Exception as error:  # bad or truncated opcodes: pickletools raises ValueError, EOFError, UnicodeError...
+        raise PickleScanError(f"{type(error).__name__}: {error}") from None
 
 
 def _globals_of_embedded(data: bytes) -> Iterator[str]:
@@ -128,7 +151,8 @@ def _globals_of_zip(source) -> list[str]:
     try:
         with zipfile.ZipFile(source) as archive:
             members = [member for member in archive.namelist() if member.endswith(".pkl")]
-            return [found for member in members for found in _globals_of_pickle(io.BytesIO(archive.read(member)))]
+            pickles = (archive.read(member) for member in members)
+            return [found for data in pickles for found in _globals_of_pickle(_Bounded(io.BytesIO(data), len(data)))]
     except (zipfile.BadZipFile, EOFError) as error:
         raise PickleScanError(f"unreadable zip archive ({error})") from None
 
@@ -138,9 +162,11 @@ def _globals_of_stream(stream, head: bytes) -> list[str]:
     storages after them are never read) or one plain pickle, which gives [] when it is none."""
     if not head.startswith(LEGACY_TORCH_PREFIX):
         try:
-            return list(_globals_of_pickle(stream))
+            found = list(_globals_of_pickle(stream))
         except PickleScanError:
             return []  # bytes no unpickler gets past
+        # A plain pickle ends at its STOP; random bytes that happen to parse (~1 in 10**4 short ones) seldom do.
+        return found if stream.read(1) == b"" else []
     found: list[str] = []
     for _ in range(LEGACY_TORCH_PICKLES):
         found.extend(_globals_of_pickle(stream))
@@ -153,7 +179,7 @@ def globals_of_torch_bytes(data: bytes) -> list[str]:
     Raises PickleScanError for a torch file whose pickles do not parse."""
     if data.startswith(ZIP_MAGIC):
         return _globals_of_zip(io.BytesIO(data))
-    return _globals_of_stream(io.BytesIO(data), data[: len(LEGACY_TORCH_PREFIX)])
+    return _globals_of_stream(_Bounded(io.BytesIO(data), len(data)), data[: len(LEGACY_TORCH_PREFIX)])
 
 
 def globals_of_file(path: Path) -> list[str]:
@@ -164,7 +190,7 @@ def globals_of_file(path: Path) -> list[str]:
         if head == ZIP_MAGIC:
             return _globals_of_zip(path)
         handle.seek(0)
-        return _globals_of_stream(handle, head)
+        return _globals_of_stream(_Bounded(handle, os.fstat(handle.fileno()).st_size), head)
 
 
 def embedded_pickles(document: object) -> Iterator[bytes]:
