@@ -23,9 +23,9 @@ from astrai.checkpoint import (
     CheckpointError, CheckpointPublisher, FileDigest, StreamedFiles, find_latest, parse_step_dir_name, read_manifest,
     require_parts, step_dir_name, verify_checkpoint,
 )
-from astrai.config import dump_job, parse_yaml
 from astrai.checkpoint.errors import CheckpointVerifyError
 from astrai.checkpoint.verify import list_files, scan_pickles
+from astrai.config import dump_job, parse_yaml
 from astrai.engine import CheckpointDamagedError, UnsafeCheckpointError, all_gather_objects, barrier
 from astrai.metrics import METRICS_FILE, trim_metrics
 from astrai.rng_state import capture_rng, decode_rng, restore_rng
