@@ -7,25 +7,29 @@ state (step, data position, per-rank RNG) and the resolved job.
 
 from __future__ import annotations
 
-import base64
 import json
 import logging
-import pickle
+import os
 import random
-from dataclasses import asdict, dataclass, field
+import stat
+import typing
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy
 import torch
 
 from astrai.checkpoint import (
-    CheckpointError, CheckpointPublisher, FileDigest, StreamedFiles, find_latest, read_manifest, require_parts, step_dir_name,
-    verify_checkpoint,
+    CheckpointError, CheckpointPublisher, FileDigest, StreamedFiles, find_latest, parse_step_dir_name, read_manifest,
+    require_parts, step_dir_name, verify_checkpoint,
 )
+from astrai.checkpoint.errors import CheckpointVerifyError
+from astrai.checkpoint.verify import list_files, scan_pickles
 from astrai.config import dump_job, parse_yaml
-from astrai.engine import all_gather_objects, barrier
+from astrai.engine import CheckpointDamagedError, UnsafeCheckpointError, all_gather_objects, barrier
 from astrai.metrics import METRICS_FILE, trim_metrics
 from astrai.models.tokenizer import TOKENIZER_DIR, check_saved_tokenizer
+from astrai.rng_state import capture_rng, decode_rng, restore_rng
 from astrai.topology import continue_position, load_portable_part, resume_source
 
 logger = logging.getLogger("astrai.checkpointing")
@@ -41,24 +45,56 @@ class TrainerState:
     policy_version: int = 0
     elapsed_s: float = 0.0
     world_size: int = 1
-    rng: list[str] = field(default_factory=list)  # one encoded RNG snapshot per rank
+    rng: list = field(default_factory=list)  # one RNG snapshot per rank (astrai/rng_state.py: JSON, never a pickle)
     strategy: dict = field(default_factory=dict)  # the strategy's own state (online_ppo: the KL controller)
 
 
-def capture_rng() -> str:
-    snapshot = {"python": random.getstate(), "numpy": numpy.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        snapshot["cuda"] = torch.cuda.get_rng_state()
-    return base64.b64encode(pickle.dumps(snapshot)).decode()
+def read_checkpoint_bytes(path: Path) -> bytes:
+    """A checkpoint file's bytes; a FIFO, socket or device in its place is refused (CheckpointDamagedError)
+    instead of blocking the resume forever: opened non-blocking, its type checked on the open descriptor."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as error:
+        raise CheckpointDamagedError(f"{path}: cannot open: {error.strerror}") from None
+    with os.fdopen(descriptor, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            raise CheckpointDamagedError(f"{path}: not a regular file (a FIFO, socket or device): refused")
+        return handle.read()
 
 
-def restore_rng(encoded: str) -> None:
-    snapshot = pickle.loads(base64.b64decode(encoded))
-    random.setstate(snapshot["python"])
-    numpy.random.set_state(snapshot["numpy"])
-    torch.set_rng_state(snapshot["torch"])
-    if "cuda" in snapshot and torch.cuda.is_available():
-        torch.cuda.set_rng_state(snapshot["cuda"])
+def _field_type_ok(value, expected) -> bool:
+    """`value` (decoded JSON) fits the TrainerState annotation `expected` (int, float, list or dict)."""
+    origin = typing.get_origin(expected) or expected
+    if origin is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, origin)
+
+
+def read_trainer_state(path: Path) -> TrainerState:
+    """trainer_state.json, every field checked against TrainerState's types and every RNG entry decoded
+    (old pickled ones converted, a pickle naming code refused): CheckpointError naming the file and the key."""
+    try:
+        document = json.loads(read_checkpoint_bytes(path))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointDamagedError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(document, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(document).__name__}")
+    types = typing.get_type_hints(TrainerState)
+    known = {item.name for item in fields(TrainerState)}
+    for key, value in document.items():
+        if key in known and not _field_type_ok(value, types[key]):
+            expected = getattr(types[key], "__name__", types[key])
+            raise CheckpointError(f"{path}: {key} is {value!r} ({type(value).__name__}), expected {expected}")
+        if key in known and isinstance(value, int) and not isinstance(value, bool) and value < 0:
+            raise CheckpointError(f"{path}: {key} is {value}, expected a count >= 0")
+    ignored = sorted(set(document) - known)
+    if ignored:
+        logger.warning("%s: ignoring keys this AstrAI does not know: %s", path, ", ".join(ignored))
+    state = TrainerState(**{key: value for key, value in document.items() if key in known})
+    state.rng = [decode_rng(entry, path, rank) for rank, entry in enumerate(state.rng)]
+    return state
 
 
 def reseed_rng(seed: int, step: int, rank: int) -> int:
@@ -75,7 +111,11 @@ def reseed_rng(seed: int, step: int, rank: int) -> int:
 def saved_micro_batch_size(path: Path) -> int | None:
     """train.micro_batch_size of the job that wrote the checkpoint (its job.yaml), or None when unknown."""
     try:
-        return int(parse_yaml((path / "job.yaml").read_text())["train"]["micro_batch_size"])
+        return int(parse_yaml(read_checkpoint_bytes(path / "job.yaml").decode())["train"]["micro_batch_size"])
+    except CheckpointDamagedError:
+        if os.path.lexists(path / "job.yaml"):
+            raise  # a FIFO or device in its place: refused rather than read
+        return None
     except (OSError, ValueError, TypeError, KeyError):
         return None
 
@@ -92,7 +132,7 @@ def carry_over(state: TrainerState, *, rank: int, world_size: int, seed: int, sa
     if reseeded:
         base = reseed_rng(seed, state.step, rank) - rank
     else:
-        restore_rng(state.rng[rank])
+        restore_rng(state.rng[rank], rank=rank)
     consumed = state.consumed_samples
     state.consumed_samples = continue_position(consumed, samples_per_micro_step)
     if rank != 0:
@@ -253,14 +293,90 @@ class TrainingCheckpoints:
         path = self.locate()
         state = TrainerState(world_size=run.dist.world_size)
         if path is not None:
-            state = self._load(path)
-            continue_schedule(run, path, state.step)
+            state = self._load_or_fall_back(path)
         if run.dist.is_main:
             dropped = trim_metrics(run.output_dir / METRICS_FILE, state.step)
             if dropped:
                 logger.info("trimmed %d metric records past step %d from %s", dropped, state.step, METRICS_FILE)
         barrier()
         return state
+
+    def _load_or_fall_back(self, path: Path) -> TrainerState:
+        """Load `path`; when it is damaged (found by the pre-load check or while loading, on any rank) and
+        the job resumes `auto`, load the newest older checkpoint instead, with one warning naming both.
+        Every rank takes the same decision (rank 0's check and every rank's load outcome are gathered).
+        Job errors (a pickle naming code, a model of other shapes, a bad trainer_state.json) never fall back."""
+        run, first_damage, candidate = self.run, None, path
+        while candidate is not None:
+            state, damage = self._attempt(candidate)
+            if damage is None:
+                if first_damage is not None and run.dist.is_main:
+                    logger.warning(
+                        "checkpoint %s is damaged (%s): resumed from the previous valid checkpoint %s instead",
+                        first_damage[0], first_damage[1], candidate,
+                    )
+                return state
+            if run.job.checkpoint.resume != "auto":
+                raise CheckpointError(f"cannot resume from {candidate}: {damage}")
+            first_damage = first_damage or (candidate, damage)
+            step = parse_step_dir_name(candidate.name)
+            older = find_latest(self.directory, before=step) if step is not None and run.dist.is_main else None
+            candidate = all_gather_objects(older)[0]  # rank 0's listing decides for every rank
+            if candidate is not None and run.dist.is_main:
+                logger.info("trying the previous checkpoint %s", candidate)
+        raise CheckpointError(
+            f"no valid checkpoint to resume from: {first_damage[0]} is damaged ({first_damage[1]}) and no older "
+            "published checkpoint loads (set checkpoint.resume: never to start afresh)"
+        )
+
+    def _attempt(self, path: Path) -> tuple[TrainerState | None, str | None]:
+        """(state, None) once `path` has loaded on every rank; (None, what is damaged) when rank 0's check
+        or any rank's load found damage. Any other error on any rank raises CheckpointError on every rank."""
+        run = self.run
+        problem = self._check_before_loading(path) if run.dist.is_main else None
+        problem = all_gather_objects(problem)[0]
+        if problem is not None and problem[0] == "unsafe":
+            raise UnsafeCheckpointError(problem[1])  # a crafted file: refused, never skipped for an older checkpoint
+        if problem is not None:
+            return None, problem[1]
+        state, outcome, own_error = None, None, None
+        try:
+            state = self._load(path)
+        except (CheckpointDamagedError, OSError) as error:
+            outcome = ("damaged", " ".join(str(error).split()))
+        except Exception as error:  # a job error: reported to every rank, none may be left waiting in the gather below
+            own_error = error
+            text = str(error) if isinstance(error, CheckpointError) else f"{type(error).__name__}: {error}"
+            outcome = ("failed", " ".join(text.split()))
+        outcomes = all_gather_objects(outcome)
+        failed = [(rank, item[1]) for rank, item in enumerate(outcomes) if item and item[0] == "failed"]
+        if failed:
+            rank, text = failed[0]
+            raise CheckpointError(text if rank == run.dist.rank else f"rank {rank}: {text}") from own_error
+        damaged = [item[1] for item in outcomes if item]
+        return (None, damaged[0]) if damaged else (state, None)
+
+    def _check_before_loading(self, path: Path) -> tuple[str, str] | None:
+        """Rank 0's check of `path`, for every rank: against its manifest, the sizes, file types and step
+        (`verify --quick`, ~0 s) or, with checkpoint.verify_on_load, every digest too; then each pickle's
+        opcodes (a torch file's zip directory and data.pkl only, not its tensors): one that does not parse
+        (a truncated shard) is damage, one naming code is refused (UnsafeCheckpointError, raised).
+        Returns None, or ("damaged" | "unsafe", what is wrong)."""
+        digests = self.run.job.checkpoint.verify_on_load
+        try:
+            manifest = read_manifest(path)
+            if manifest is not None:
+                report = verify_checkpoint(path, digests=digests)
+                checked = "verified" if report.digests_checked else "checked the sizes of"
+                logger.info(
+                    "%s %s: %d files, %d bytes in %.2f s", checked, path, report.files, report.bytes, report.seconds
+                )
+            if manifest is None or not digests:  # a full verify scanned the pickles already
+                scan_pickles(path, manifest.files if manifest is not None else list_files(path))
+        except CheckpointError as error:
+            unsafe = isinstance(error, CheckpointVerifyError) and error.reason == "unsafe pickle"
+            return ("unsafe" if unsafe else "damaged", " ".join(str(error).split()))
+        return None
 
     def _load(self, path: Path) -> TrainerState:
         run = self.run
@@ -272,9 +388,9 @@ class TrainingCheckpoints:
             require_parts(path, required)  # names the missing part before any training step
         if manifest is None:
             logger.warning("%s has no manifest (a legacy or plain DeepSpeed checkpoint): loading it unverified", path)
-        elif run.job.checkpoint.verify_on_load:
-            report = verify_checkpoint(path)
-            logger.info("verified %s: %d files, %d bytes in %.2f s", path, report.files, report.bytes, report.seconds)
+        state_file = path / STATE_FILE
+        # Read (and its RNG states decoded) before any shard: a bad or unsafe file is refused first.
+        saved = read_trainer_state(state_file) if os.path.lexists(state_file) else None
         # A different world size, ZeRO stage or precision: DeepSpeed's shards cannot load as they are.
         portable = resume_source(run, path, manifest)
         for name in required:
@@ -282,9 +398,8 @@ class TrainingCheckpoints:
                 load_portable_part(run.engines[name], portable / name)
             else:
                 run.engines[name].load(path if plain_deepspeed else path / name)
-        state_file = path / STATE_FILE
-        if state_file.is_file():
-            state = TrainerState(**json.loads(state_file.read_text()))
+        if saved is not None:
+            state = saved
         else:  # plain DeepSpeed checkpoint: the step is all it knows
             step = run.engines["policy"].global_steps
             state = TrainerState(step=step, consumed_samples=step * run.samples_per_step, policy_version=step)
@@ -295,5 +410,6 @@ class TrainingCheckpoints:
             micro_batch_size=run.job.train.micro_batch_size, saved_micro_batch=saved_micro_batch_size(path),
         )
         state.epoch = run.order.epoch_of(state.consumed_samples)
+        continue_schedule(run, path, state.step)  # the path actually loaded (a fallback may have chosen an older one)
         logger.info("resumed from %s at step %d (%d samples consumed)", path, state.step, state.consumed_samples)
         return state

@@ -78,11 +78,16 @@ def check_checkpoint(checkpoint: Path, part: str, verify: bool) -> None:
         except LegacyCheckpointError:
             logger.warning("%s has no manifest.json (a legacy checkpoint): exporting it unverified", checkpoint)
         except CheckpointVerifyError as error:
+            if error.reason == "unsafe pickle":  # never loaded, verified or not
+                raise ExportError(str(error)) from None
             raise ExportError(f"{error} (use --no-verify to export it anyway)") from None
         else:
             logger.info("verified %s: %d files, %s", checkpoint, report.files, report.algorithm)
     if not (checkpoint / part).is_dir():
         raise ExportError(f"{checkpoint}: no {part}/ folder (not an AstrAI checkpoint?)")
+    # A FIFO in its place would block the reader forever.
+    if os.path.lexists(checkpoint / "job.yaml") and not (checkpoint / "job.yaml").is_file():
+        raise ExportError(f"{checkpoint}/job.yaml: not a regular file (a FIFO, socket or device): refused")
     if not (checkpoint / "job.yaml").is_file():
         raise ExportError(f"{checkpoint}: no job.yaml, so the model's architecture is unknown")
 

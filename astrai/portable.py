@@ -36,7 +36,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from astrai.engine import PARAMETER_NAMES_KEY
+from astrai.checkpoint import CheckpointError
+from astrai.engine import PARAMETER_NAMES_KEY, load_tensor_file, weights_only_torch_load
 
 logger = logging.getLogger("astrai.portable")
 
@@ -77,7 +78,7 @@ def shard_folder(engine_folder: Path, tag: str) -> Path:
 
 
 def _load(path: Path):
-    return torch.load(path, map_location="cpu", weights_only=False)
+    return load_tensor_file(path, map_location="cpu")  # weights-only: a shard is data, never code
 
 
 def _model_states(shards: Path) -> dict:
@@ -122,9 +123,11 @@ class _ZeroSource:
             input_folder=str(shards), output_folder=str(universal), num_extract_workers=1, num_merge_workers=1,
             keep_temp_folder=False, strict=True, inject_missing_state=True,
         )
-        try:  # it prints progress to stdout and tqdm bars to stderr
-            with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured):
+        try:  # it prints progress to stdout and tqdm bars to stderr; it calls torch.load(weights_only=False) itself
+            with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured), weights_only_torch_load():
                 ds_to_universal(arguments)
+        except CheckpointError:  # a shard refused (it names code) or unreadable: its own message names the file
+            raise
         except Exception as error:
             raise PortableError(f"{shards}: DeepSpeed's ds_to_universal failed ({type(error).__name__}: {error}); output:\n{captured.getvalue()[-2000:]}") from error
         self.zero = universal / "zero"
@@ -259,6 +262,10 @@ class PortablePart:
 
     def tensor(self, key: str, name: str) -> torch.Tensor:
         return self._files[key].get_tensor(name)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter's full shape, read from the safetensors header (no tensor is read)."""
+        return {name: tuple(self._files["fp32"].get_slice(name).get_shape()) for name in self.names}
 
 
 # Loading into a live engine: DeepSpeed's own layouts, filled from full tensors (see Engine.load_full_state).

@@ -4,6 +4,8 @@
 (its `checkpoints/` folder is used). A folder verifies every published checkpoint, newest first,
 unless `--latest`. Exit status: 0 all valid, 1 some checkpoint invalid (the first bad file is
 named), 2 nothing to verify or bad arguments, 3 only legacy checkpoints (no manifest) besides valid ones.
+`--quick` checks the file list, file types, sizes and the step only (what a resume checks before
+loading, ~0 s); without it every digest is checked and every pickle scanned for globals that are code.
 
 `--require-parts policy,critic` also fails (status 1, line `INCOMPLETE`) a checkpoint that lacks a part
 the job needs, so a launcher can refuse a resume before any rank starts (`scripts/train.sh` does).
@@ -65,7 +67,9 @@ def verify_main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="astrai verify", description=__doc__.splitlines()[0])
     parser.add_argument("path", type=Path, help="a checkpoint, a checkpoints folder, or a job's output_dir")
     parser.add_argument("--latest", action="store_true", help="verify only the newest published checkpoint")
-    parser.add_argument("--quick", action="store_true", help="check file lists and sizes only, no digests")
+    parser.add_argument(
+        "--quick", action="store_true", help="file lists, types, sizes and the step only (no digests, no pickle scan)"
+    )
     parser.add_argument("--hash-threads", type=int, default=None, help="hashing threads (default: min(8, CPUs))")
     parser.add_argument(
         "--require-parts", action="append", default=[], metavar="PART[,PART...]",

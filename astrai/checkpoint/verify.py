@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,8 +12,9 @@ from typing import Iterable
 
 from .errors import CheckpointError, CheckpointVerifyError, LegacyCheckpointError
 from .hashing import default_hash_threads, hash_files
-from .layout import list_hidden, list_published
+from .layout import list_hidden, list_published, parse_step_dir_name
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
+from .pickles import PickleScanError, disallowed_globals
 
 logger = logging.getLogger(__name__)
 
@@ -58,17 +60,30 @@ def load_manifest_for_verify(checkpoint_dir: Path) -> Manifest:
     return manifest
 
 
+def check_folder_step(checkpoint_dir: Path, manifest: Manifest) -> None:
+    """A `step_<N>` folder's manifest must say step N (a copied or renamed folder would resume at the wrong step)."""
+    folder_step = parse_step_dir_name(Path(checkpoint_dir).name)
+    if folder_step is not None and folder_step != manifest.step:
+        raise CheckpointVerifyError(
+            checkpoint_dir, "step mismatch",
+            f"the manifest says step {manifest.step}, the folder name step {folder_step}", MANIFEST_NAME,
+        )
+
+
 def verify_checkpoint(checkpoint_dir: Path, *, hash_threads: int | None = None, digests: bool = True) -> VerifyReport:
     """Check every file of a checkpoint against its manifest; raise on the first bad file.
 
-    Cheap checks run first over all files in sorted order (missing, unexpected extra file,
-    wrong size), then digests (skipped with `digests=False`), so a wrong size anywhere is
-    reported before a wrong digest. Raises CheckpointVerifyError (LegacyCheckpointError when
-    there is no manifest.json).
+    Cheap checks run first over all files in sorted order (missing, unexpected extra file, not a
+    regular file, wrong size), then digests and the pickle scan (both skipped with `digests=False`:
+    `verify --quick`), so a wrong size anywhere is reported before a wrong digest. A `step_<N>`
+    folder's manifest must say step N. The scan refuses a pickle (a torch file, or one embedded in
+    JSON as base64) naming any global outside `pickles`' allow-lists: loading it would run code.
+    Raises CheckpointVerifyError (LegacyCheckpointError when there is no manifest.json).
     """
     started = time.monotonic()
     checkpoint_dir = Path(checkpoint_dir)
     manifest = load_manifest_for_verify(checkpoint_dir)
+    check_folder_step(checkpoint_dir, manifest)
     on_disk = set(list_files(checkpoint_dir))
     for path in sorted(on_disk | set(manifest.files)):
         if path not in on_disk:
@@ -76,9 +91,13 @@ def verify_checkpoint(checkpoint_dir: Path, *, hash_threads: int | None = None, 
         if path not in manifest.files:
             raise CheckpointVerifyError(checkpoint_dir, "unexpected file", "present but not in the manifest", path)
         try:
-            size = (checkpoint_dir / path).stat().st_size
+            status = (checkpoint_dir / path).stat()
         except OSError as error:
             raise CheckpointVerifyError(checkpoint_dir, "missing", f"cannot stat: {error}", path) from error
+        if not stat.S_ISREG(status.st_mode):  # a FIFO would block the reader forever, a device never end
+            detail = "a FIFO, socket or device, not a regular file: refused (reading it could block or never end)"
+            raise CheckpointVerifyError(checkpoint_dir, "special file", detail, path)
+        size = status.st_size
         if size != manifest.files[path].size:
             detail = f"{size} bytes on disk, {manifest.files[path].size} in the manifest"
             raise CheckpointVerifyError(checkpoint_dir, "wrong size", detail, path)
@@ -97,14 +116,38 @@ def verify_checkpoint(checkpoint_dir: Path, *, hash_threads: int | None = None, 
             if actual[path] != expected:
                 detail = f"{manifest.hash_algorithm} {actual[path].digest}, manifest says {expected.digest}"
                 raise CheckpointVerifyError(checkpoint_dir, "wrong digest", detail, path)
+        scan_pickles(checkpoint_dir, ordered)
     return VerifyReport(
         checkpoint=checkpoint_dir, step=manifest.step, files=len(manifest.files), bytes=manifest.total_bytes,
         seconds=time.monotonic() - started, algorithm=manifest.hash_algorithm, digests_checked=digests,
     )
 
 
-def find_latest(checkpoints_dir: Path, *, verify: bool = False, hash_threads: int | None = None) -> Path | None:
-    """The published checkpoint with the highest step whose manifest reads (and verifies, if asked).
+def scan_pickles(checkpoint_dir: Path, paths: Iterable[str]) -> None:
+    """Refuse (CheckpointVerifyError "unsafe pickle") the first file naming code in its pickles; only their
+    opcodes are read, nothing is unpickled. A pickle that does not parse is "unreadable"."""
+    for path in paths:
+        try:
+            if not stat.S_ISREG((Path(checkpoint_dir) / path).stat().st_mode):  # never opened: a FIFO would block
+                detail = "a FIFO, socket or device, not a regular file: refused"
+                raise CheckpointVerifyError(checkpoint_dir, "special file", detail, path)
+            code = disallowed_globals(Path(checkpoint_dir) / path)
+        except (PickleScanError, OSError) as error:
+            detail = f"its pickle does not parse ({error})"
+            raise CheckpointVerifyError(checkpoint_dir, "unreadable", detail, path) from None
+        if code:
+            detail = (
+                f"holds a pickle naming {', '.join(code)}, which is code, not checkpoint data: "
+                "refused (loading it would run it)"
+            )
+            raise CheckpointVerifyError(checkpoint_dir, "unsafe pickle", detail, path)
+
+
+def find_latest(
+    checkpoints_dir: Path, *, verify: bool = False, hash_threads: int | None = None, before: int | None = None
+) -> Path | None:
+    """The published checkpoint with the highest step (below `before`, when given) whose manifest reads
+    (and verifies, if asked).
 
     Invalid ones are skipped with a logged warning. Staging and retired directories are never
     returned; a step that exists only as a retired directory (a republish interrupted between its
@@ -115,6 +158,8 @@ def find_latest(checkpoints_dir: Path, *, verify: bool = False, hash_threads: in
     published = list_published(checkpoints_dir)
     _warn_about_recoverable(checkpoints_dir, {step for step, _ in published})
     for step, path in reversed(published):
+        if before is not None and step >= before:
+            continue
         try:
             manifest = read_manifest(path)
             if manifest is None:

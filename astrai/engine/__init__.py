@@ -9,6 +9,7 @@ LR schedule and clipping.
 - `ds_config.py`: one engine's DeepSpeed config, LR schedule and weight-decay groups.
 - `engines.py`: `Engine`, `FrozenEngine`, partitioned loading, consolidated weights.
 - `streamed_writes.py`: an engine's checkpoint files serialised into the caller's file objects.
+- `safe_load.py`: every checkpoint file read weights-only (DeepSpeed's readers included); old RNG pickles.
 """
 
 from astrai.engine.distributed import (
@@ -18,12 +19,18 @@ from astrai.engine.distributed import (
 from astrai.engine.ds_config import build_ds_config, deep_merge, effective_zero_stage, lr_lambda, parameter_groups, resolve_precision
 from astrai.engine.host_memory import tune_malloc
 from astrai.engine.engines import (
-    DS_TAG, PARAMETER_NAMES_KEY, Engine, FrozenEngine, consolidated_state_dict, make_engine, make_frozen_engine, zero3_loading,
+    DS_TAG, PARAMETER_NAMES_KEY, CheckpointShapeError, Engine, FrozenEngine, check_shapes, consolidated_state_dict,
+    make_engine, make_frozen_engine, zero3_loading,
+)
+from astrai.engine.safe_load import (
+    CheckpointDamagedError, UnsafeCheckpointError, load_snapshot_pickle, load_tensor_file, weights_only_torch_load,
 )
 
 __all__ = [
     "CollectiveStalledError", "DistInfo", "all_gather_objects", "all_reduce_sum", "all_reduce_sums", "barrier", "pin_threads", "set_log_format",
     "setup_distributed", "shutdown_distributed", "build_ds_config", "deep_merge", "effective_zero_stage", "lr_lambda",
     "parameter_groups", "resolve_precision", "DS_TAG", "PARAMETER_NAMES_KEY", "Engine", "FrozenEngine", "consolidated_state_dict",
-    "make_engine", "make_frozen_engine", "zero3_loading", "tune_malloc",
+    "make_engine", "make_frozen_engine", "zero3_loading", "tune_malloc", "CheckpointShapeError", "check_shapes",
+    "CheckpointDamagedError", "UnsafeCheckpointError", "load_snapshot_pickle", "load_tensor_file",
+    "weights_only_torch_load",
 ]

@@ -13,7 +13,9 @@ import torch
 import torch.distributed as dist
 
 from astrai.engine.distributed import CollectiveStalledError
+from astrai.checkpoint import CheckpointError
 from astrai.engine.ds_config import parameter_groups
+from astrai.engine.safe_load import load_tensor_file, trusted_loads, weights_only_torch_load
 from astrai.engine.streamed_writes import OpenFile, streamed_writes
 
 logger = logging.getLogger("astrai.engine")
@@ -133,12 +135,27 @@ class Engine:
         return [[names[id(parameter)] for parameter in group] for group in groups]
 
     def load(self, folder: Path, *, with_optimizer: bool = True) -> None:
+        """DeepSpeed's own load of `folder`, every file read weights-only (`safe_load.trusted_loads`);
+        the parameters' names and shapes the model-states file records are checked against this
+        engine's model before DeepSpeed uses them (CheckpointShapeError naming the first that differs)."""
         tag = DS_TAG if (Path(folder) / DS_TAG).is_dir() else None  # None: a plain DeepSpeed dir with `latest`
-        path, _ = self._engine.load_checkpoint(
-            str(folder), tag=tag, load_optimizer_states=with_optimizer, load_lr_scheduler_states=with_optimizer
-        )
+        with trusted_loads(self._engine, inspect=self._check_recorded_shapes):
+            path, _ = self._engine.load_checkpoint(
+                str(folder), tag=tag, load_optimizer_states=with_optimizer, load_lr_scheduler_states=with_optimizer
+            )
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint found in {folder}")
+
+    def _check_recorded_shapes(self, path: str, states) -> None:
+        """A model-states file's parameters (ZeRO: `param_shapes`; ZeRO-0: the module's tensors) against the model's."""
+        if not path.endswith("model_states.pt") or not isinstance(states, dict):
+            return
+        recorded = {name: tuple(shape) for group in states.get("param_shapes") or [] for name, shape in group.items()}
+        if not recorded:
+            buffers = set(states.get("buffer_names") or [])
+            module = states.get("module") or {}
+            recorded = {name: tuple(tensor.shape) for name, tensor in module.items() if name not in buffers}
+        check_shapes(path, recorded, self.module)
 
     def load_full_state(self, source) -> None:
         """Set weights, Adam moments and step, LR schedule and step counters from full (unpartitioned)
@@ -150,6 +167,9 @@ class Engine:
         Every rank calls it. DeepSpeed's universal loader is a ZeRO-optimizer feature (nothing loads into
         ZeRO-0), so `portable.fill_*` fill each layout, as that loader does for the ones it knows.
         """
+        if hasattr(source, "shapes"):
+            folder = getattr(source, "folder", "the portable checkpoint")
+            check_shapes(folder, source.shapes(), self.module, compare_names=False)
         named = {name: parameter for name, parameter in self.module.named_parameters() if parameter.requires_grad}
         missing, unknown = sorted(set(named) - set(source.names)), sorted(set(source.names) - set(named))
         if missing or unknown:
@@ -241,6 +261,34 @@ class Engine:
         return plain
 
 
+class CheckpointShapeError(CheckpointError):
+    """The checkpoint's parameters differ from the job's model (a job error, not damage: never fallen back from)."""
+
+
+def check_shapes(source, recorded: dict[str, tuple], module: torch.nn.Module, *, compare_names: bool = True) -> None:
+    """Raise CheckpointShapeError naming the first parameter whose checkpoint shape (`recorded`: name ->
+    shape) differs from `module`'s (ZeRO-3's partitioned ones: their full `ds_shape`), or (`compare_names`)
+    the trainable parameters the checkpoint lacks and the names the model lacks."""
+    parameters = dict(module.named_parameters())
+    shapes = {name: tuple(getattr(parameter, "ds_shape", parameter.shape)) for name, parameter in parameters.items()}
+    trainable = {name for name, parameter in parameters.items() if parameter.requires_grad}  # what optimizers record
+    every_name = {name for name, _ in module.named_parameters(remove_duplicate=False)}  # tied aliases included
+    for name, shape in shapes.items():
+        if name in recorded and tuple(recorded[name]) != shape:
+            raise CheckpointShapeError(
+                f"{source}: parameter {name} has shape {list(recorded[name])} in the checkpoint but {list(shape)} "
+                "in this job's model "
+                "(model.init / model.path differ from the run that saved it)"
+            )
+    missing, unknown = sorted(trainable - set(recorded)), sorted(set(recorded) - every_name)
+    if compare_names and (missing or unknown):
+        raise CheckpointShapeError(
+            f"{source}: the checkpoint's parameters differ from this job's model: missing {missing[:5]}, "
+            f"unknown {unknown[:5]} "
+            "(model.init / model.path differ from the run that saved it)"
+        )
+
+
 def consolidated_state_dict(engine_folder: str | Path) -> dict[str, torch.Tensor]:
     """Full fp32 weights from an engine's checkpoint folder written under any ZeRO stage and any
     number of ranks, on one CPU process (DeepSpeed's own zero_to_fp32 logic; no ranks needed)."""
@@ -252,9 +300,10 @@ def consolidated_state_dict(engine_folder: str | Path) -> dict[str, torch.Tensor
     shards = folder / tag_name if tag_name else folder
     if not list(shards.glob("*optim_states.pt")) and (shards / "mp_rank_00_model_states.pt").is_file():
         # ZeRO-0 keeps the whole module in one file; there are no partitions to merge.
-        states = torch.load(shards / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+        states = load_tensor_file(shards / "mp_rank_00_model_states.pt", map_location="cpu")
         return {name: tensor.float() for name, tensor in states["module"].items()}
-    return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag)
+    with weights_only_torch_load():  # zero_to_fp32 calls torch.load(weights_only=False) itself
+        return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag)
 
 
 def make_engine(model: torch.nn.Module, ds_config: dict, *, weight_decay: float, schedule: Callable[[int], float]) -> Engine:

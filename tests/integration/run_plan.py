@@ -3,7 +3,9 @@ per launch, so integration tests batch their runs here).
 
     deepspeed --num_gpus 2 tests/integration/run_plan.py --plan plan.json
 
-plan.json: {"results": "<path>", "runs": [{"name": ..., "config": ..., "set": [...], "expect_error": "substring"?}]}
+plan.json: {"results": "<path>", "runs": [{"name": ..., "config": ..., "set": [...], "expect_error": "substring"?,
+                                       "prepare": ["module:function", arg, ...]?}]}
+`prepare`: called by rank 0 (with the args) before the run, the other ranks waiting (e.g. to damage a checkpoint).
 Rank 0 writes `results`: {name: {"ok": bool, "error": str | None, "step": int}}.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import json
 import os
 import sys
@@ -36,6 +39,12 @@ def main() -> int:
     set_log_format(dist.rank, "WARNING")
     results = {}
     for entry in plan["runs"]:
+        if "prepare" in entry:  # every rank reads the same plan: all wait here, or none
+            if dist.is_main:
+                target, *arguments = entry["prepare"]
+                module, _, function = target.partition(":")
+                getattr(importlib.import_module(module), function)(*arguments)
+            barrier()
         try:
             job = load_and_check(entry["config"], entry.get("set", []))  # WORLD_SIZE is set: batch splits are checked
             run = build_run(job, dist, entry["config"])

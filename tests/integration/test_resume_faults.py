@@ -12,8 +12,9 @@ One module fixture runs, in order, on one output_dir (every run a fresh process,
 3. A run with `resume: never` into the same output_dir (its metrics.jsonl moved aside first): the
    straight reference. The killed-and-resumed log must equal it step by step, `lr` included
    (`lr_schedule: linear`, `warmup_steps: 3`: a schedule that restarted at a resume would show).
-4. A run with `verify_on_load: true` after one byte of the newest checkpoint was flipped: it must fail
-   naming the file, before training a step.
+4. A run with `verify_on_load: true` after one byte of the newest checkpoint was flipped: the re-hash
+   finds it before any file is loaded, and the run falls back to the previous checkpoint (one warning
+   naming both) and trains on, republishing the damaged step.
 A kill -9 keeps the page cache, so this checks atomicity, cleanup and exact resume, not durability.
 Tolerance: one rank, CPU fp32, the same kernels in the same order: losses agree to 1e-6 relative.
 """
@@ -179,16 +180,18 @@ def history(tmp_path_factory):
     republished = (job.checkpoints / "step_00000001" / "manifest.json").read_bytes() != first_manifest
 
     newest = find_latest(job.checkpoints)
+    published = [step for step, _ in list_published(job.checkpoints)]
+    before_fallback = {"published": published, "newest": newest, "hidden": list_hidden(job.checkpoints)}
     shard = max((path for path in (newest / "policy").rglob("*") if path.is_file()), key=lambda path: path.stat().st_size)
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
-    metrics_before = job.metrics.read_bytes()
-    refused_code, refused_log = job.run("checkpoint.verify_on_load=true", f"train.max_steps={MAX_STEPS + 3}")
+    fallback_code, fallback_log = job.run("checkpoint.verify_on_load=true", f"train.max_steps={MAX_STEPS + 3}")
     return {
         "job": job, "kills": kills, "ahead_of": ahead_of,
         "resumed": (resumed_code, resumed_log, resumed_hidden), "straight": (straight_code, straight_log, republished),
-        "refused": (refused_code, refused_log, shard.relative_to(newest).as_posix(), newest, metrics_before),
+        "fallback": (fallback_code, fallback_log, shard.relative_to(newest).as_posix(), newest),
+        "before_fallback": before_fallback,
     }
 
 
@@ -211,9 +214,9 @@ def test_a_resumed_run_completes_with_each_step_logged_once(history):
     resumed = records(job.folder / "resumed_metrics.jsonl")
     assert [record["step"] for record in resumed] == list(range(1, MAX_STEPS + 1))
     assert all(record["loss"] > 0 for record in resumed)  # the appended record is gone
-    published = [step for step, _ in list_published(job.checkpoints)]
+    published = history["before_fallback"]["published"]  # what the runs after it left (the fallback run adds steps)
     assert published == list(range(1, MAX_STEPS + 1))
-    assert find_latest(job.checkpoints, verify=False).name == f"step_{MAX_STEPS:08d}"
+    assert history["before_fallback"]["newest"].name == f"step_{MAX_STEPS:08d}"
 
 
 def test_resume_never_starts_fresh_and_killed_runs_equal_the_straight_run(history):
@@ -230,14 +233,21 @@ def test_resume_never_starts_fresh_and_killed_runs_equal_the_straight_run(histor
     assert [record["loss"] for record in resumed] == pytest.approx([record["loss"] for record in straight], rel=1e-6, abs=1e-7)
     assert [record["samples"] for record in resumed] == [record["samples"] for record in straight]
     # The fresh run republished its steps over the old checkpoints (a new manifest, no retired copy left).
-    assert republished and [step for step, _ in list_published(job.checkpoints)] == list(range(1, MAX_STEPS + 1))
-    assert list_hidden(job.checkpoints) == []
+    assert republished and history["before_fallback"]["published"] == list(range(1, MAX_STEPS + 1))
+    assert history["before_fallback"]["hidden"] == []
 
 
-def test_verify_on_load_refuses_a_flipped_byte_before_any_step(history):
+def test_verify_on_load_finds_a_flipped_byte_and_falls_back_to_the_previous_checkpoint(history):
     job = history["job"]
-    code, log, bad_file, checkpoint, metrics_before = history["refused"]
-    assert code == 1, log[-3000:]
-    assert f"checkpoint {checkpoint} is not valid: wrong digest: {checkpoint}/{bad_file}" in log, log[-3000:]
-    assert job.metrics.read_bytes() == metrics_before  # no step trained, nothing logged or trimmed
-    assert [step for step, _ in list_published(job.checkpoints)][-1] == MAX_STEPS and list_hidden(job.checkpoints) == []
+    code, log, bad_file, checkpoint = history["fallback"]
+    assert code == 0, log[-3000:]
+    previous = job.checkpoints / f"step_{MAX_STEPS - 1:08d}"
+    damaged = f"checkpoint {checkpoint} is damaged (checkpoint {checkpoint} is not valid: wrong digest: {checkpoint}/{bad_file}"
+    assert damaged in log, log[-3000:]
+    assert f"resumed from the previous valid checkpoint {previous} instead" in log
+    assert f"resumed from {previous} at step {MAX_STEPS - 1}" in log
+    steps = [record["step"] for record in records(job.metrics)]
+    assert steps == list(range(1, MAX_STEPS + 4))  # step 30's record trimmed, then 30..33 trained and logged once
+    assert [step for step, _ in list_published(job.checkpoints)][-1] == MAX_STEPS + 3
+    assert list_hidden(job.checkpoints) == []
+    verify_checkpoint(checkpoint)  # the damaged step republished whole
