@@ -352,7 +352,9 @@ class TrainingCheckpoints:
         failed = [(rank, item[1]) for rank, item in enumerate(outcomes) if item and item[0] == "failed"]
         if failed:
             rank, text = failed[0]
-            raise CheckpointError(text if rank == run.dist.rank else f"rank {rank}: {text}") from own_error
+            if own_error is not None and rank == run.dist.rank:
+                raise own_error  # its own class (TokenizerError, CheckpointShapeError, ...) and message
+            raise CheckpointError(f"rank {rank}: {text}") from own_error
         damaged = [item[1] for item in outcomes if item]
         return (None, damaged[0]) if damaged else (state, None)
 
