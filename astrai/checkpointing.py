@@ -27,6 +27,7 @@ from astrai.checkpoint.errors import CheckpointVerifyError
 from astrai.checkpoint.verify import list_files, scan_pickles
 from astrai.config import dump_job, parse_yaml
 from astrai.engine import CheckpointDamagedError, UnsafeCheckpointError, all_gather_objects, barrier
+from astrai.launcher_watch import leave_if_orphaned
 from astrai.metrics import METRICS_FILE, trim_metrics
 from astrai.models.tokenizer import TOKENIZER_DIR, check_saved_tokenizer
 from astrai.rng_state import capture_rng, decode_rng, restore_rng
@@ -260,10 +261,14 @@ class TrainingCheckpoints:
         }
         if background:
             metrics.flush()  # durable before the checkpoint it describes can appear (the rename comes later)
-            self.publisher.publish_async(state.step, write, meta=meta)
+            self.publisher.publish_async(state.step, write, meta=meta, pre_publish=leave_if_orphaned)
             return self.directory / step_dir_name(state.step)
         # The metric log is made durable just before the rename that publishes the checkpoint it describes.
-        report = self.publisher.publish(state.step, write, meta=meta, pre_publish=metrics.flush)
+        def pre_publish() -> None:
+            leave_if_orphaned()  # a rank whose launcher died in the last second never publishes
+            metrics.flush()
+
+        report = self.publisher.publish(state.step, write, meta=meta, pre_publish=pre_publish)
         return report.path
 
     def close(self) -> None:

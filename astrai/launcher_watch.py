@@ -135,13 +135,19 @@ def _kill_me_with_my_parent() -> None:
         pass
 
 
+def leave_if_orphaned(launchers: list[Launcher] | None = None) -> None:
+    """Exit now (as the watching thread would) when a launcher above this rank is gone. Called just before a
+    checkpoint's publishing rename too, so an orphan never publishes in the second between two polls."""
+    for launcher in (_watched or []) if launchers is None else launchers:
+        stat = proc_stat(launcher.pid)
+        if stat is None or stat[1] != launcher.start:
+            _leave(launcher)
+
+
 def _watch(launchers: list[Launcher], interval_s: float) -> None:
     stop = threading.Event()
     while not stop.wait(interval_s):
-        for launcher in launchers:
-            stat = proc_stat(launcher.pid)
-            if stat is None or stat[1] != launcher.start:
-                _leave(launcher)
+        leave_if_orphaned(launchers)
 
 
 def _leave(launcher: Launcher) -> None:

@@ -253,20 +253,24 @@ class CheckpointPublisher:
         save = self._write_staging(step, write)
         return self._finish(save, meta or {}, pre_publish, started, blocked=True)
 
-    def publish_async(self, step: int, write: WriteCallback, *, meta: dict[str, Any] | None = None) -> float:
+    def publish_async(
+        self, step: int, write: WriteCallback, *, meta: dict[str, Any] | None = None,
+        pre_publish: Callable[[], None] | None = None,
+    ) -> float:
         """As `publish`, but return once `write` has run on every rank and the staging listing agrees;
         hashing, fsync, the manifest, the rename and retention go on in a background thread.
 
         Returns the seconds the caller was blocked. The report (or the error) comes from the next
-        `wait()`, which every later call of this publisher makes first. There is no `pre_publish`:
-        whatever must be durable before the checkpoint appears, make durable before calling this.
+        `wait()`, which every later call of this publisher makes first. `pre_publish` runs in that
+        thread just before the rename: a last check, not for what must be durable before the checkpoint
+        appears (make that durable before calling this).
         """
         self.wait()
         started = time.monotonic()
         save = self._write_staging(step, write)
         blocked = time.monotonic() - started
         self._background = _Background(
-            step, lambda: self._finish(save, meta or {}, None, started, blocked=False, blocked_s=blocked)
+            step, lambda: self._finish(save, meta or {}, pre_publish, started, blocked=False, blocked_s=blocked)
         )
         return blocked
 

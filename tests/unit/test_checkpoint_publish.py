@@ -432,6 +432,28 @@ def test_publish_async_returns_before_the_save_is_durable_and_wait_publishes_it(
     assert manifest_rename < recorder.index("rename", staging, report.path)
 
 
+def test_publish_async_runs_pre_publish_in_the_background_just_before_the_rename(tmp_path, recorder):
+    """The trainer's last check (an orphaned rank leaves here) runs after the manifest, before the rename."""
+    publisher = CheckpointPublisher(tmp_path, parts=["policy"])
+    seen = []
+    publisher.publish_async(3, payload_writer("3"), pre_publish=lambda: seen.append(sorted(hidden_names(tmp_path))))
+    report = publisher.wait()
+    (staging_names,) = seen
+    assert len(staging_names) == 1 and ".staging-" in staging_names[0]  # not yet renamed when it ran
+    staging = tmp_path / staging_names[0]
+    assert recorder.index("rename", staging / "manifest.json.tmp", staging / MANIFEST_NAME) < recorder.index(
+        "rename", staging, report.path
+    )
+
+    def refuse():
+        raise CheckpointError("the launcher is gone")
+
+    publisher.publish_async(4, payload_writer("4"), pre_publish=refuse)
+    with pytest.raises(CheckpointError, match="the launcher is gone"):
+        publisher.wait()
+    assert published_names(tmp_path) == [report.path.name]  # step 4 never appeared
+
+
 def test_the_next_save_waits_for_the_one_in_flight(tmp_path, recorder):
     publisher = CheckpointPublisher(tmp_path, keep_last=1)
     gate = hold_fsyncs(recorder)

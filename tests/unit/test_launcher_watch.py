@@ -119,3 +119,25 @@ def test_without_deepspeeds_launcher_nothing_is_watched():
 )
 def test_launcher_names(arguments, name):
     assert launcher_name(arguments) == name
+
+
+def test_leave_if_orphaned_exits_at_once_when_a_watched_launcher_is_gone():
+    """The check the trainer makes just before a publishing rename: a launcher that exited (its pid gone,
+    or reused by a process of another start time) ends this rank with ORPHAN_EXIT_CODE; a live one does not."""
+    script = (
+        "import subprocess, sys\n"
+        "from astrai.launcher_watch import Launcher, leave_if_orphaned, proc_stat, ORPHAN_EXIT_CODE\n"
+        "live = Launcher(1, proc_stat(1)[1], 'deepspeed')\n"
+        "leave_if_orphaned([live])\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'pass']); start = proc_stat(child.pid)[1]; child.wait()\n"
+        "print('still here', flush=True)\n"
+        "leave_if_orphaned([live, Launcher(child.pid, start, 'deepspeed')])\n"
+        "print('not reached', flush=True)\n"
+    )
+    finished = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=60
+    )
+    from astrai.launcher_watch import ORPHAN_EXIT_CODE
+
+    assert finished.returncode == ORPHAN_EXIT_CODE, finished.stderr
+    assert finished.stdout.split() == ["still", "here"] and "launcher that started this rank is gone" in finished.stderr
