@@ -54,7 +54,41 @@ def load_and_check(config_path: str, overrides: list[str]):
         strategy.check_job(job, world_size)
     except ConfigError as error:
         raise ConfigError(f"{config_path}: {error}") from None
+    check_job_parts(job, config_path, world_size)
     return job
+
+
+def check_job_parts(job, config_path: str, world_size: int) -> None:
+    """What only the libraries behind a job can judge (DeepSpeed's config parser, the transformers config
+    of the model, the reward's Python module), judged before any rank starts: ConfigError naming file and key."""
+    from astrai.build import engine_config
+    from astrai.config import ConfigError
+    from astrai.config.schema import known_log_level
+    from astrai.engine.ds_config import DeepSpeedConfigError, check_ds_config
+    from astrai.models.policy import check_model_config
+    from astrai.rollout.rewards import RewardError, load_function
+
+    level = job.runtime.environment.get("ASTR_LOG_LEVEL", os.environ.get("ASTR_LOG_LEVEL"))
+    try:
+        known_log_level(level) if level else None
+    except ValueError as error:
+        raise ConfigError(f"{config_path}: ASTR_LOG_LEVEL (runtime.environment or the shell): {error}") from None
+    sources = [f"template {job.deepspeed.config}"] * bool(job.deepspeed.config) + ["deepspeed.overrides"] * bool(job.deepspeed.overrides)
+    try:
+        for zero_stage in (None, job.critic.zero_stage) if job.train.train_type == "online_ppo" else (None,):
+            config = engine_config(job, config_path, lr=job.train.lr, max_grad_norm=job.train.max_grad_norm, world_size=world_size, zero_stage=zero_stage)
+            check_ds_config(config, f"the DeepSpeed config ({' + '.join(sources) or 'defaults'})")
+    except DeepSpeedConfigError as error:
+        raise ConfigError(f"{config_path}: {error}") from None
+    problem = check_model_config(job.model)
+    if problem:
+        raise ConfigError(f"{config_path}: {problem}")
+    reward = job.reward
+    for spec in [reward.function] + [component.function for component in reward.components or []] if reward else []:
+        try:
+            load_function(spec) if spec else None
+        except RewardError as error:
+            raise ConfigError(f"{config_path}: {error}") from None
 
 
 def apply_environment(environment: dict) -> None:
@@ -84,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     from astrai.models.tokenizer import TokenizerError
     from astrai.rollout.rewards import RewardError
     from astrai.preflight import PreflightError, preflight_check, prepare_rank_environment, write_rank_report
-    from astrai.trainer import TRAIN_LOOPS
+    from astrai.trainer import TRAIN_LOOPS, NonFiniteError
 
     prepare_rank_environment()  # ranks started by mpirun/srun get torch's RANK, WORLD_SIZE, LOCAL_RANK
     write_rank_report(job)  # written before the rendezvous, so it exists even if that hangs
@@ -111,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:  # found only once the ranks are known (e.g. a batch that does not split over them)
         logger.error("%s: %s", args.config, error)
         return 2
-    except (DataError, ModelError, TokenizerError, CheckpointError, ExportError, PreflightError, RewardError, CollectiveStalledError) as error:
+    except (DataError, ModelError, TokenizerError, CheckpointError, ExportError, PreflightError, RewardError, CollectiveStalledError,
+            NonFiniteError) as error:
         logger.error("%s", error, exc_info=bool(os.environ.get("ASTR_DEBUG")))
         return 1
     finally:
