@@ -17,6 +17,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(_here))
 
 import argparse
+import errno
 import logging
 from pathlib import Path
 
@@ -70,7 +71,8 @@ def check_job_parts(job, config_path: str, world_size: int) -> None:
 
     level = job.runtime.environment.get("ASTR_LOG_LEVEL", os.environ.get("ASTR_LOG_LEVEL"))
     try:
-        known_log_level(level) if level else None
+        if level:
+            known_log_level(level)
     except ValueError as error:
         raise ConfigError(f"{config_path}: ASTR_LOG_LEVEL (runtime.environment or the shell): {error}") from None
     sources = [f"template {job.deepspeed.config}"] * bool(job.deepspeed.config) + ["deepspeed.overrides"] * bool(job.deepspeed.overrides)
@@ -84,11 +86,21 @@ def check_job_parts(job, config_path: str, world_size: int) -> None:
     if problem:
         raise ConfigError(f"{config_path}: {problem}")
     reward = job.reward
-    for spec in [reward.function] + [component.function for component in reward.components or []] if reward else []:
+    specs = [reward.function] + [component.function for component in reward.components or []] if reward else []
+    for spec in filter(None, specs):
         try:
-            load_function(spec) if spec else None
+            load_function(spec)
         except RewardError as error:
             raise ConfigError(f"{config_path}: {error}") from None
+
+
+def describe_os_error(error: OSError, output_dir: str) -> str:
+    """One line for a file system refusal: the path, the errno's name (ENOSPC, EROFS, ...) and output_dir."""
+    name = errno.errorcode.get(error.errno or 0, "OSError")
+    where = error.filename or output_dir
+    if Path(output_dir).exists() and not Path(output_dir).is_dir():
+        return f"output_dir {output_dir} is a file, not a folder ({name}: {error.strerror or error})"
+    return f"{where}: {name}: {error.strerror or error} (output_dir: {output_dir}; checkpoints, metrics and caches are written there)"
 
 
 def apply_environment(environment: dict) -> None:
@@ -113,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     from astrai.config import dump_job
     from astrai.data.sources import DataError
     from astrai.engine import CollectiveStalledError, set_log_format, setup_distributed, shutdown_distributed, tune_malloc
+    from astrai.engine.distributed import RendezvousError
     from astrai.export import ExportError
     from astrai.models.policy import ModelError
     from astrai.models.tokenizer import TokenizerError
@@ -121,10 +134,18 @@ def main(argv: list[str] | None = None) -> int:
     from astrai.trainer import TRAIN_LOOPS, NonFiniteError
 
     prepare_rank_environment()  # ranks started by mpirun/srun get torch's RANK, WORLD_SIZE, LOCAL_RANK
-    write_rank_report(job)  # written before the rendezvous, so it exists even if that hangs
+    try:
+        write_rank_report(job)  # written before the rendezvous, so it exists even if that hangs
+    except OSError as error:  # the first write into output_dir: a file there, read-only, full
+        print(f"astrai: {describe_os_error(error, job.output_dir)}", file=sys.stderr)
+        return 1
     # Before the rendezvous (the launcher's RANK names the rank), so what setup logs (the threads per rank) is shown.
     set_log_format(int(os.environ.get("RANK", "0")), os.environ.get("ASTR_LOG_LEVEL") or job.runtime.log_level)
-    dist = setup_distributed(job.runtime.dist_timeout_s)
+    try:
+        dist = setup_distributed(job.runtime.dist_timeout_s)
+    except RendezvousError as error:
+        logger.error("%s", error)
+        return 1
     if job.runtime.tune_malloc:
         tune_malloc()
     try:
@@ -148,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     except (DataError, ModelError, TokenizerError, CheckpointError, ExportError, PreflightError, RewardError, CollectiveStalledError,
             NonFiniteError) as error:
         logger.error("%s", error, exc_info=bool(os.environ.get("ASTR_DEBUG")))
+        return 1
+    except OSError as error:  # output_dir read-only or full mid-run (the checkpoint publisher names its own)
+        logger.error("%s", describe_os_error(error, job.output_dir), exc_info=bool(os.environ.get("ASTR_DEBUG")))
         return 1
     finally:
         shutdown_distributed()
