@@ -67,7 +67,7 @@ def finish_update(engine: Engine, run: Run, nonfinite_loss: bool, what: str, ste
     engine.step()
     norm = engine.grad_norm
     if norm is not None and not math.isfinite(norm) and engine.skipped_steps == skipped_before:
-        raise NonFiniteError(f"step {step}: the {what} gradient norm is {norm} and the update was applied: stopped; {newest}")
+        raise NonFiniteError(f"step {step}: non-finite {what} gradient norm ({norm}) after the update: stopped (train.on_nonfinite: {mode}); {newest}")
     return engine.skipped_steps == skipped_before
 
 
