@@ -31,6 +31,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(_here))
 
 import argparse
+import errno
 import glob
 import json
 import logging
@@ -350,10 +351,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ.update(render_environment(job.runtime.environment))
     prepare_rank_environment()
-    write_rank_report(job)
+    try:
+        write_rank_report(job)
+    except OSError as error:  # output_dir a file, read-only or full: one line, as astrai/train.py says it
+        name = errno.errorcode.get(error.errno or 0, "OSError")
+        print(f"astrai preflight: {error.filename or ranks_folder(job)}: {name}: {error.strerror or error} (output_dir: {job.output_dir})", file=sys.stderr)
+        return 1
     from astrai.engine import set_log_format, setup_distributed, shutdown_distributed
+    from astrai.engine.distributed import RendezvousError
 
-    dist = setup_distributed(job.runtime.dist_timeout_s)
+    try:
+        dist = setup_distributed(job.runtime.dist_timeout_s)
+    except RendezvousError as error:
+        print(f"astrai preflight: {error}", file=sys.stderr)
+        return 1
     set_log_format(dist.rank, "INFO")
     try:
         summary = preflight_check(job, dist, write_rank_report(job, dist))

@@ -45,8 +45,7 @@ def _init_single_rank(backend: str, timeout_s: float) -> None:
     own sockets are bound to the loopback interface, unless the job names another."""
     interface = loopback_interface()
     if interface is not None:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
-        os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME", interface)
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=timeout_s))
 
 
@@ -60,7 +59,8 @@ def setup_distributed(timeout_s: float) -> DistInfo:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    single_rank = "RANK" not in os.environ  # `python astrai/train.py` without the launcher: one rank
+    # `python astrai/train.py` without a launcher: one rank (or a process that made one before: no MASTER_ADDR).
+    single_rank = "RANK" not in os.environ or (os.environ.get("WORLD_SIZE") == "1" and "MASTER_ADDR" not in os.environ)
     if single_rank:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
