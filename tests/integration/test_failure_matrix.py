@@ -72,6 +72,7 @@ CONFIG_CASES = [
     Case("environment_name_with_space", ["runtime.environment={'MY VAR': 1}"], "'MY VAR' is not a variable name", 2),
     Case("environment_name_with_equals", ["runtime.environment={'A=B': 1}"], "'A=B' is not a variable name", 2),
     Case("yaml_alias_bomb", [], "job.yaml: aliases (*name) expand the document to more than", 2, job_suffix="a: &a [x, x, x, x, x, x, x, x, x, x]\n" + BOMB),
+    Case("job_file_not_utf8", [], "job.yaml:9: not UTF-8 text (byte 0xe9)", 2, job_suffix="# caf\udce9\n"),
     Case("yaml_recursive_alias", [], "an anchor refers to itself", 2, job_suffix="loop: &loop {again: *loop}\n"),
     Case("model_init_wrong_type", ["model.init.hidden_size=abc"], "model.init: TypeError: Field 'hidden_size' expected int", 2),
     Case("model_init_heads_do_not_divide", ["model.init.num_attention_heads=5"], "not a multiple of the number of attention heads (5)", 2),
@@ -104,7 +105,7 @@ def write_case(folder: Path, case: Case) -> str:
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text(text.replace("{folder}", str(folder)))
     job = folder / "job.yaml"
-    job.write_text(JOB.format(folder=folder, model=SMALL_MODEL) + case.job_suffix)
+    job.write_bytes((JOB.format(folder=folder, model=SMALL_MODEL) + case.job_suffix).encode("utf-8", "surrogateescape"))
     return str(job)
 
 
@@ -330,4 +331,4 @@ CASES_TOTAL = len(CONFIG_CASES) + len(RUNTIME_CASES)
 def test_the_matrix_counts_every_case():
     """N cases, each asserting exit code, one line, no traceback and nothing lost; ids unique."""
     ids = [case.id for case in CONFIG_CASES] + RUNTIME_CASES
-    assert len(set(ids)) == len(ids) == CASES_TOTAL == 31
+    assert len(set(ids)) == len(ids) == CASES_TOTAL == 32
