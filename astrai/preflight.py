@@ -355,7 +355,9 @@ def main(argv: list[str] | None = None) -> int:
         write_rank_report(job)
     except OSError as error:  # output_dir a file, read-only or full: one line, as astrai/train.py says it
         name = errno.errorcode.get(error.errno or 0, "OSError")
-        print(f"astrai preflight: {error.filename or ranks_folder(job)}: {name}: {error.strerror or error} (output_dir: {job.output_dir})", file=sys.stderr)
+        where = error.filename or ranks_folder(job)
+        reason = error.strerror or error
+        print(f"astrai preflight: {where}: {name}: {reason} (output_dir: {job.output_dir})", file=sys.stderr)
         return 1
     from astrai.engine import set_log_format, setup_distributed, shutdown_distributed
     from astrai.engine.distributed import RendezvousError

@@ -75,10 +75,12 @@ def check_job_parts(job, config_path: str, world_size: int) -> None:
             known_log_level(level)
     except ValueError as error:
         raise ConfigError(f"{config_path}: ASTR_LOG_LEVEL (runtime.environment or the shell): {error}") from None
-    sources = [f"template {job.deepspeed.config}"] * bool(job.deepspeed.config) + ["deepspeed.overrides"] * bool(job.deepspeed.overrides)
+    sources = [f"template {job.deepspeed.config}"] * bool(job.deepspeed.config)
+    sources += ["deepspeed.overrides"] * bool(job.deepspeed.overrides)
     try:
         for zero_stage in (None, job.critic.zero_stage) if job.train.train_type == "online_ppo" else (None,):
-            config = engine_config(job, config_path, lr=job.train.lr, max_grad_norm=job.train.max_grad_norm, world_size=world_size, zero_stage=zero_stage)
+            config = engine_config(job, config_path, lr=job.train.lr, max_grad_norm=job.train.max_grad_norm,
+                                   world_size=world_size, zero_stage=zero_stage)
             check_ds_config(config, f"the DeepSpeed config ({' + '.join(sources) or 'defaults'})")
     except DeepSpeedConfigError as error:
         raise ConfigError(f"{config_path}: {error}") from None
@@ -100,7 +102,8 @@ def describe_os_error(error: OSError, output_dir: str) -> str:
     where = error.filename or output_dir
     if Path(output_dir).exists() and not Path(output_dir).is_dir():
         return f"output_dir {output_dir} is a file, not a folder ({name}: {error.strerror or error})"
-    return f"{where}: {name}: {error.strerror or error} (output_dir: {output_dir}; checkpoints, metrics and caches are written there)"
+    reason = error.strerror or error
+    return f"{where}: {name}: {reason} (output_dir: {output_dir}; checkpoints, metrics and caches are written there)"
 
 
 def apply_environment(environment: dict) -> None:
@@ -166,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:  # found only once the ranks are known (e.g. a batch that does not split over them)
         logger.error("%s: %s", args.config, error)
         return 2
-    except (DataError, ModelError, TokenizerError, CheckpointError, ExportError, PreflightError, RewardError, CollectiveStalledError,
-            NonFiniteError) as error:
+    except (DataError, ModelError, TokenizerError, CheckpointError, ExportError, PreflightError, RewardError,
+            CollectiveStalledError, NonFiniteError) as error:
         logger.error("%s", error, exc_info=bool(os.environ.get("ASTR_DEBUG")))
         return 1
     except OSError as error:  # output_dir read-only or full mid-run (the checkpoint publisher names its own)

@@ -52,22 +52,27 @@ def finish_update(engine: Engine, run: Run, nonfinite_loss: bool, what: str, ste
     if mode == "skip_step" and engine.zero_stage == 0 and not nonfinite_loss:
         nonfinite_loss = not _gradients_finite(engine)  # ZeRO-0 applies any gradient: look before the update
     ranks = int(all_reduce_sum(float(nonfinite_loss), run.dist.device))
-    newest = f"nothing of step {step} was published; the newest checkpoint in {run.output_dir / 'checkpoints'} is still the last good one"
+    checkpoints = run.output_dir / "checkpoints"
+    newest = f"nothing of step {step} was published; the newest checkpoint in {checkpoints} is still the last good one"
     if ranks and mode == "stop":
         raise NonFiniteError(
-            f"step {step}: non-finite {what} loss or gradient on {ranks} of {run.dist.world_size} ranks: stopped before the update "
+            f"step {step}: non-finite {what} loss or gradient on {ranks} of {run.dist.world_size} ranks: "
+            "stopped before the update "
             f"(train.on_nonfinite: stop; skip_step would skip such steps); {newest}"
         )
     if ranks:
         engine.skip_update()
-        logger.warning("step %d: non-finite %s loss or gradient on %d ranks: update skipped (train.on_nonfinite: skip_step; %d skipped so far)",
-                       step, what, ranks, engine.skipped_steps)
+        logger.warning("step %d: non-finite %s loss or gradient on %d ranks: update skipped "
+                       "(train.on_nonfinite: skip_step; %d skipped so far)", step, what, ranks, engine.skipped_steps)
         return False
     skipped_before = engine.skipped_steps
     engine.step()
     norm = engine.grad_norm
     if norm is not None and not math.isfinite(norm) and engine.skipped_steps == skipped_before:
-        raise NonFiniteError(f"step {step}: non-finite {what} gradient norm ({norm}) after the update: stopped (train.on_nonfinite: {mode}); {newest}")
+        raise NonFiniteError(
+            f"step {step}: non-finite {what} gradient norm ({norm}) after the update: stopped "
+            f"(train.on_nonfinite: {mode}); {newest}"
+        )
     return engine.skipped_steps == skipped_before
 
 
@@ -213,9 +218,11 @@ def train_online(run: Run) -> TrainerState:
                     weights = [strategy.loss_weight(batch) for batch in micro_batches]
                     normalizer = max(all_reduce_sum(sum(weights), device), 1.0) / (world * accumulation)
                     nonfinite, applied = {"policy": False, "critic": False}, {"policy": False}
+                    parts = (("policy", policy, strategy.compute_loss),
+                             ("critic", critic, strategy.compute_critic_loss))
                     for index, (batch, weight) in enumerate(zip(micro_batches, weights)):
                         last = index == len(micro_batches) - 1
-                        for part, engine, compute in (("policy", policy, strategy.compute_loss), ("critic", critic, strategy.compute_critic_loss)):
+                        for part, engine, compute in parts:
                             if engine is None or (part == "policy" and not trains_policy):
                                 continue
                             output = compute(engine, batch, normalizer)
@@ -228,7 +235,7 @@ def train_online(run: Run) -> TrainerState:
                             _add(sums, output)
                         sums["tokens"] += float(batch["response_mask"].sum())
                         sums["weight"] += float(weight)
-                    if applied["policy"]:  # a skipped update (train.on_nonfinite: skip_step) left the weights as they were
+                    if applied["policy"]:  # a skipped update (train.on_nonfinite: skip_step) changed no weight
                         state.policy_version += 1
             train_seconds = time.perf_counter() - train_started
             # 4. Metrics and checkpoint.

@@ -194,7 +194,8 @@ def load_job(path: str | Path, overrides: list[str] | tuple = (), check_paths: b
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
         line = path.read_bytes()[: error.start].count(b"\n") + 1
-        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{error.object[error.start]:02x}): save the job file as UTF-8") from None
+        byte = error.object[error.start]
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{byte:02x}): save the job file as UTF-8") from None
     raw = parse_yaml(text, str(path))
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the job file must be a mapping of sections (output_dir, model, data, train, ...)")

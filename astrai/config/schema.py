@@ -96,8 +96,9 @@ class TrainConfig(Section):
     seed: int = Field(42, description="Seed for model init, data order and sampling.")
     log_every_steps: int = Field(1, ge=1, description="Write a metrics record every N optimizer steps.")
     on_nonfinite: Literal["stop", "skip_step"] = Field(
-        "stop", description="A non-finite loss or gradient norm on any rank (decided on all ranks together): `stop` ends the run with "
-        "exit 1 before the step's update and before any checkpoint of it (the last good checkpoint stays newest); `skip_step` "
+        "stop", description="A non-finite loss or gradient norm on any rank (decided on all ranks together): `stop` "
+        "ends the run with exit 1 before the step's update and before any checkpoint of it (the last good checkpoint "
+        "stays newest); `skip_step` "
         "discards that optimizer step's gradients, applies no update and counts it in the metric `skipped_steps`."
     )
 
@@ -141,7 +142,9 @@ class CheckpointConfig(Section):
 class RuntimeConfig(Section):
     environment: dict[str, Any] = Field(default_factory=dict, description="Variables exported to every rank of this job (values rendered with str(); null = empty), e.g. `{ASTR_LOG_LEVEL: DEBUG, ASTR_BACKEND: sdpa}` (the trainer's log level; the attention implementation handed to transformers: sdpa, eager, flash_attention_2). Nothing comes from the host shell unless listed here.")
     dist_timeout_s: float = Field(1800.0, gt=0, description="Timeout of every collective of the job's process groups.")
-    log_level: str = Field("INFO", description="Trainer log level (env ASTR_LOG_LEVEL overrides): DEBUG, INFO, WARNING, ERROR or CRITICAL.")
+    log_level: str = Field(
+        "INFO", description="Trainer log level (env ASTR_LOG_LEVEL overrides): DEBUG, INFO, WARNING, ERROR or CRITICAL."
+    )
     progress_bar: bool = Field(True, description="tqdm bar on rank 0.")
     tensorboard: bool = Field(True, description="Write TensorBoard events when `tensorboard` is installed.")
     tune_malloc: bool = Field(

@@ -105,7 +105,7 @@ def utf8_rows_of(file: Path, cache_dir: Path, skip_bad: bool) -> Path:
     number, row, reason = bad[0]
     if not skip_bad or file.suffix != ".jsonl":  # one JSON document cannot lose a line and stay JSON
         more = f" ({len(bad)} lines in all)" if len(bad) > 1 else ""
-        hint = "; fix the file's encoding or set data.on_bad_row: skip" if file.suffix == ".jsonl" else "; fix the file's encoding"
+        hint = "; fix the file's encoding" + (" or set data.on_bad_row: skip" if file.suffix == ".jsonl" else "")
         raise DataError(f"{file}: row {row} (line {number}) is not valid UTF-8: {reason}{more}{hint}")
     status = file.stat()
     key = hashlib.sha256(f"{file.resolve()}:{status.st_size}:{status.st_mtime_ns}".encode()).hexdigest()[:16]

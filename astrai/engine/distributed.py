@@ -80,8 +80,9 @@ def setup_distributed(timeout_s: float) -> DistInfo:
             raise
         address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
         raise RendezvousError(
-            f"rendezvous port {address} is already in use (another job or a leftover rank holds it): start the launcher "
-            "with another port, e.g. `deepspeed --master_port 29511 astrai/train.py ...` (infra.master_port for `python -m astrai launch`)"
+            f"rendezvous port {address} is already in use (another job or a leftover rank holds it): start the "
+            "launcher with another port, e.g. `deepspeed --master_port 29511 astrai/train.py ...` "
+            "(infra.master_port for `python -m astrai launch`)"
         ) from None
     _bound_deepspeed_world_group(timeout_s)
     device = torch.device(get_accelerator().device_name(local_rank)) if on_gpu else torch.device("cpu")

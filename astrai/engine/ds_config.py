@@ -16,9 +16,11 @@ logger = logging.getLogger("astrai.engine")
 # Sections of a DeepSpeed config that must be JSON objects (DeepSpeed would fail on anything else with a TypeError).
 OBJECT_SECTIONS = ("zero_optimization", "bf16", "fp16", "optimizer", "scheduler", "activation_checkpointing")
 # DeepSpeed's pydantic models, by the config key they parse (for error messages naming the key).
-SECTION_OF_MODEL = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedBF16Config": "bf16", "DeepSpeedFP16Config": "fp16",
-                    "DeepSpeedZeroOffloadOptimizerConfig": "zero_optimization.offload_optimizer",
-                    "DeepSpeedZeroOffloadParamConfig": "zero_optimization.offload_param"}
+SECTION_OF_MODEL = {
+    "DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedBF16Config": "bf16", "DeepSpeedFP16Config": "fp16",
+    "DeepSpeedZeroOffloadOptimizerConfig": "zero_optimization.offload_optimizer",
+    "DeepSpeedZeroOffloadParamConfig": "zero_optimization.offload_param",
+}
 
 
 class DeepSpeedConfigError(ValueError):
@@ -30,11 +32,13 @@ def read_template(path: Path) -> dict:
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as error:
-        raise DeepSpeedConfigError(f"{path}:{error.lineno}: not valid JSON: {error.msg} (column {error.colno})") from None
+        where = f"{path}:{error.lineno}"
+        raise DeepSpeedConfigError(f"{where}: not valid JSON: {error.msg} (column {error.colno})") from None
     except (OSError, UnicodeDecodeError) as error:
         raise DeepSpeedConfigError(f"{path}: cannot read: {error}") from None
     if not isinstance(config, dict):
-        raise DeepSpeedConfigError(f"{path}: a DeepSpeed config must be a JSON object {{...}}, not a {type(config).__name__}")
+        kind = type(config).__name__
+        raise DeepSpeedConfigError(f"{path}: a DeepSpeed config must be a JSON object {{...}}, not a {kind}")
     _check_sections(config, str(path))
     return config
 

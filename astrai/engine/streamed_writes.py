@@ -43,7 +43,8 @@ def _streaming_engine_classes():
                 except RuntimeError as error:
                     cause = error.__context__  # torch's zip writer reports a failed write as "unexpected pos"
                     if isinstance(cause, OSError) and cause.errno:  # the file's own error: ENOSPC, EDQUOT, EIO
-                        raise OSError(cause.errno, f"{errno.errorcode.get(cause.errno, 'OSError')}: {cause.strerror}", path) from error
+                        name = errno.errorcode.get(cause.errno, "OSError")
+                        raise OSError(cause.errno, f"{name}: {cause.strerror}", path) from error
                     raise
 
     return TorchCheckpointEngine, StreamingTorchCheckpointEngine

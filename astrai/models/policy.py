@@ -80,7 +80,9 @@ def check_model_config(model_config) -> str | None:
 
 def _architecture_problem(config, where: str) -> str | None:
     """Shapes a config accepts but a model cannot be built (or run) with, for any architecture that names them."""
-    sizes = {name: getattr(config, name, None) for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "intermediate_size", "vocab_size")}
+    names = ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "intermediate_size",
+             "vocab_size")
+    sizes = {name: getattr(config, name, None) for name in names}
     for name, value in sizes.items():
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             return f"{where}: {name} must be a positive integer, got {value!r}"
@@ -106,7 +108,8 @@ def load_causal_lm(path: str | Path, **kwargs) -> PreTrainedModel:
     try:
         return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, local_files_only=True, **kwargs)
     except SafetensorError as error:
-        raise ModelError(f"model.path: {unreadable_weights(Path(path)) or path}: cannot read the weights: {error}") from None
+        file = unreadable_weights(Path(path)) or path
+        raise ModelError(f"model.path: {file}: cannot read the weights: {error}") from None
     except (OSError, ValueError) as error:
         raise ModelError(f"model.path: cannot load {str(path)!r}: {error}") from None
 

@@ -89,9 +89,11 @@ def load_function(spec: str) -> Callable:
     except ImportError as error:
         raise RewardError(f"reward.function: cannot import {module_name!r} for {spec!r}: {error}") from None
     except SyntaxError as error:  # the module's own code: name its file and line
-        raise RewardError(f"reward.function: {error.filename}:{error.lineno}: {error.msg} (importing {module_name!r} for {spec!r})") from None
+        where = f"{error.filename}:{error.lineno}"
+        raise RewardError(f"reward.function: {where}: {error.msg} (importing {module_name!r} for {spec!r})") from None
     except Exception as error:  # the module runs code at import; whatever it raises means it cannot be used
-        raise RewardError(f"reward.function: importing {module_name!r} for {spec!r} raised {type(error).__name__}: {error}") from None
+        raised = f"{type(error).__name__}: {error}"
+        raise RewardError(f"reward.function: importing {module_name!r} for {spec!r} raised {raised}") from None
     function = getattr(module, attribute, None)
     if not callable(function):
         raise RewardError(f"reward.function: {module_name!r} has no callable {attribute!r}")

@@ -26,8 +26,10 @@ import pytest
 
 from tests.conftest import REPO, child_env, deepspeed_launcher, python, run_bounded
 
-SMALL_MODEL = ("model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 2, "
-               "num_key_value_heads: 1, max_position_embeddings: 64")
+SMALL_MODEL = (
+    "model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 2, "
+    "num_key_value_heads: 1, max_position_embeddings: 64"
+)
 JOB = """\
 output_dir: {folder}/run
 model:
@@ -38,7 +40,10 @@ data: {{path: {folder}/data.jsonl, max_seq_len: 48}}
 train: {{train_type: sft, max_steps: 2, micro_batch_size: 2, lr: 1e-3, seed: 3}}
 runtime: {{progress_bar: false, tensorboard: false}}
 """
-BOMB = "".join(f"{name}: &{name} [{', '.join([f'*{previous}'] * 10)}]\n" for previous, name in zip("abcdefgh", "bcdefghi"))
+# Nine levels of ten aliases each: 10**9 leaves once expanded, from a 400-byte file.
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{name}: &{name} [{', '.join([f'*{previous}'] * 10)}]\n" for previous, name in zip("abcdefgh", "bcdefghi")
+)
 
 
 @dataclass
@@ -54,13 +59,15 @@ class Case:
     job_suffix: str = ""
 
 
+TEMPLATE = ["deepspeed.config={folder}/ds.json"]
 CONFIG_CASES = [
-    Case("ds_config_invalid_json", ["deepspeed.config={folder}/ds.json"], "ds.json:1: not valid JSON", 2, {"ds.json": "{stage: 2"}),
-    Case("ds_config_a_list", ["deepspeed.config={folder}/ds.json"], "ds.json: a DeepSpeed config must be a JSON object", 2, {"ds.json": "[1, 2]"}),
-    Case("ds_config_bad_value", ["deepspeed.config={folder}/ds.json"], "zero_optimization.reduce_bucket_size: Input should be greater than 0", 2,
+    Case("ds_config_invalid_json", TEMPLATE, "ds.json:1: not valid JSON", 2, {"ds.json": "{stage: 2"}),
+    Case("ds_config_a_list", TEMPLATE, "ds.json: a DeepSpeed config must be a JSON object", 2, {"ds.json": "[1, 2]"}),
+    Case("ds_config_bad_value", TEMPLATE, "zero_optimization.reduce_bucket_size: Input should be greater than 0", 2,
          {"ds.json": '{"zero_optimization": {"stage": 2, "reduce_bucket_size": -5}}'}),
-    Case("overrides_bad_value", ["deepspeed.overrides={bf16: {enabled: maybe}}"], "bf16.enabled: Input should be a valid boolean", 2),
-    Case("ds_config_section_not_object", ["deepspeed.config={folder}/ds.json"], "zero_optimization must be an object", 2,
+    Case("overrides_bad_value", ["deepspeed.overrides={bf16: {enabled: maybe}}"],
+         "bf16.enabled: Input should be a valid boolean", 2),
+    Case("ds_config_section_not_object", TEMPLATE, "zero_optimization must be an object", 2,
          {"ds.json": '{"zero_optimization": "abc"}'}),
     Case("overrides_zero_stage_7", ["deepspeed.overrides={zero_optimization: {stage: 7}}"],
          "(deepspeed.overrides): zero_optimization.stage: Input should be 0, 1, 2, 3", 2),
@@ -71,18 +78,22 @@ CONFIG_CASES = [
     Case("log_level_unknown_in_environment", ["runtime.environment={ASTR_LOG_LEVEL: LOUD}"], "ASTR_LOG_LEVEL", 2),
     Case("environment_name_with_space", ["runtime.environment={'MY VAR': 1}"], "'MY VAR' is not a variable name", 2),
     Case("environment_name_with_equals", ["runtime.environment={'A=B': 1}"], "'A=B' is not a variable name", 2),
-    Case("yaml_alias_bomb", [], "job.yaml: aliases (*name) expand the document to more than", 2, job_suffix="a: &a [x, x, x, x, x, x, x, x, x, x]\n" + BOMB),
+    Case("yaml_alias_bomb", [], "job.yaml: aliases (*name) expand the document to more than", 2, job_suffix=BOMB),
     Case("job_file_not_utf8", [], "job.yaml:9: not UTF-8 text (byte 0xe9)", 2, job_suffix="# caf\udce9\n"),
     Case("yaml_recursive_alias", [], "an anchor refers to itself", 2, job_suffix="loop: &loop {again: *loop}\n"),
-    Case("model_init_wrong_type", ["model.init.hidden_size=abc"], "model.init: TypeError: Field 'hidden_size' expected int", 2),
-    Case("model_init_heads_do_not_divide", ["model.init.num_attention_heads=5"], "not a multiple of the number of attention heads (5)", 2),
+    Case("model_init_wrong_type", ["model.init.hidden_size=abc"],
+         "model.init: TypeError: Field 'hidden_size' expected int", 2),
+    Case("model_init_heads_do_not_divide", ["model.init.num_attention_heads=5"],
+         "not a multiple of the number of attention heads (5)", 2),
     Case("model_init_kv_heads_do_not_divide", ["model.init.num_key_value_heads=3", "model.init.num_attention_heads=4"],
          "num_attention_heads (4) is not a multiple of num_key_value_heads (3)", 2),
-    Case("model_path_config_wrong_type", ["model.init=null", "model.path={folder}/model"], "model/config.json: TypeError: Field 'hidden_size'", 2,
+    Case("model_path_config_wrong_type", ["model.init=null", "model.path={folder}/model"],
+         "model/config.json: TypeError: Field 'hidden_size'", 2,
          {"model/config.json": '{"model_type": "llama", "hidden_size": "wide", "num_attention_heads": 2}'}),
     Case("reward_module_syntax_error", ["train.train_type=grpo", "reward={function: 'broken_reward:score'}"],
          "broken_reward.py:1: invalid syntax", 2, {"broken_reward.py": "def score(:\n    return 1\n"}),
-    Case("cpu_adam_without_offload", ["deepspeed.optimizer=cpu_adam"], "cpu_adam needs deepspeed.offload_optimizer: cpu", 2),
+    Case("cpu_adam_without_offload", ["deepspeed.optimizer=cpu_adam"],
+         "cpu_adam needs deepspeed.offload_optimizer: cpu", 2),
 ]
 
 
@@ -169,12 +180,13 @@ def test_non_utf8_row_is_skipped_and_counted(folder, capfd):
 def test_truncated_safetensors_is_named(folder, capfd):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                  num_key_value_heads=1, max_position_embeddings=64, vocab_size=128)
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2}
+    config = AutoConfig.for_model("llama", **sizes, num_key_value_heads=1, max_position_embeddings=64, vocab_size=128)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder / "model")
     weights = folder / "model" / "model.safetensors"
     os.truncate(weights, weights.stat().st_size // 2)
-    code, output = run_main(write_case(folder, Case("", [], "", 1)), ["model.init=null", f"model.path={folder / 'model'}"], capfd)
+    overrides = ["model.init=null", f"model.path={folder / 'model'}"]
+    code, output = run_main(write_case(folder, Case("", [], "", 1)), overrides, capfd)
     assert code == 1
     assert_one_clear_line(output, f"model.path: {weights}: cannot read the weights", 1)
 
@@ -243,7 +255,8 @@ def listening_sockets() -> list[str]:
     return found
 
 
-LOOPBACK = ("0100007F:", "0000000000000000FFFF00000100007F:", "00000000000000000000000001000000:")  # 127.0.0.1, ::ffff:127.0.0.1, ::1
+# 127.0.0.1, ::ffff:127.0.0.1 and ::1 as /proc/net/tcp{,6} write them
+LOOPBACK = ("0100007F:", "0000000000000000FFFF00000100007F:", "00000000000000000000000001000000:")
 
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's /proc/net/tcp")
@@ -276,7 +289,7 @@ def can_mount() -> bool:
     return probe.returncode == 0
 
 
-@pytest.mark.skipif(not can_mount(), reason="needs a mount namespace (root with CAP_SYS_ADMIN) for a read-only and a full file system")
+@pytest.mark.skipif(not can_mount(), reason="a read-only and a full file system need a mount namespace (root)")
 def test_read_only_and_full_output_folders(tmp_path):
     """Two `python astrai/train.py` runs in one mount namespace: output_dir on a read-only file system,
     then on a 64 KiB one that fills up at the first checkpoint. Each exits 1 with the folder and errno."""
@@ -284,16 +297,19 @@ def test_read_only_and_full_output_folders(tmp_path):
     (tmp_path / "data.jsonl").write_text("\n".join(lines) + "\n")
     for name in ("readonly", "full"):
         (tmp_path / name).mkdir()
-        (tmp_path / f"{name}.yaml").write_text(JOB.format(folder=tmp_path, model=SMALL_MODEL).replace(f"{tmp_path}/run", f"{tmp_path}/{name}/run"))
+        job = JOB.format(folder=tmp_path, model=SMALL_MODEL)
+        (tmp_path / f"{name}.yaml").write_text(job.replace(f"{tmp_path}/run", f"{tmp_path}/{name}/run"))
     train = f"{python()} astrai/train.py --config"
     script = (
-        f"mount -t tmpfs -o ro,size=1m tmpfs {tmp_path}/readonly && mount -t tmpfs -o size=64k tmpfs {tmp_path}/full && "
+        f"mount -t tmpfs -o ro,size=1m tmpfs {tmp_path}/readonly && "
+        f"mount -t tmpfs -o size=64k tmpfs {tmp_path}/full && "
         f"echo '::case readonly' >&2; {train} {tmp_path}/readonly.yaml; echo \"::exit $?\" >&2; "
         f"echo '::case full' >&2; {train} {tmp_path}/full.yaml; echo \"::exit $?\" >&2"
     )
     finished = run_bounded(["unshare", "-m", "sh", "-c", script], timeout=300, cwd=REPO, env=child_env())
     parts = dict(part.split("\n", 1) for part in finished.stderr.split("::case ")[1:])
-    expected = {"readonly": f"{tmp_path}/readonly/run: EROFS: Read-only file system (output_dir: ", "full": "ENOSPC: No space left on device"}
+    expected = {"readonly": f"{tmp_path}/readonly/run: EROFS: Read-only file system (output_dir: ",
+                "full": "ENOSPC: No space left on device"}
     for name, fragment in expected.items():
         output, _, code = parts[name].rpartition("::exit ")
         assert code.strip() == "1", output[-3000:]
@@ -310,7 +326,8 @@ def test_a_taken_rendezvous_port_is_named(tmp_path):
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        command = deepspeed_launcher() + ["--num_gpus=1", "--master_port", str(port), "astrai/train.py", "--config", str(tmp_path / "job.yaml")]
+        arguments = ["--num_gpus=1", "--master_port", str(port), "astrai/train.py", "--config", f"{tmp_path}/job.yaml"]
+        command = deepspeed_launcher() + arguments
         finished = run_bounded(command, timeout=300, cwd=REPO, env=child_env())
     assert finished.returncode == 1, finished.stderr[-3000:]
     output = finished.stdout + finished.stderr
