@@ -63,7 +63,8 @@ def check_model_config(model_config) -> str | None:
     if model_config.init is not None:
         settings = dict(model_config.init)
         model_type = settings.pop("model_type")
-        settings.setdefault("vocab_size", 256)  # the tokenizer's size is known only once built; any valid count will do
+        # The tokenizer's size is known only once built; a count above any token id keeps id checks quiet.
+        settings.setdefault("vocab_size", 1 << 20)
         where = "model.init"
         try:
             config = AutoConfig.for_model(model_type, **settings)
