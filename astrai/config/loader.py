@@ -62,6 +62,8 @@ def parse_yaml(text: str, source: str = "<string>") -> Any:
         return loader.construct_document(node)
     except yaml.YAMLError as error:
         raise ConfigError(f"{source}: not valid YAML: {error}") from None
+    except RecursionError:  # PyYAML composes and builds recursively
+        raise ConfigError(f"{source}: the YAML is nested too deeply to read") from None
     finally:
         loader.dispose()
 

@@ -79,6 +79,8 @@ CONFIG_CASES = [
     Case("environment_name_with_space", ["runtime.environment={'MY VAR': 1}"], "'MY VAR' is not a variable name", 2),
     Case("environment_name_with_equals", ["runtime.environment={'A=B': 1}"], "'A=B' is not a variable name", 2),
     Case("yaml_alias_bomb", [], "job.yaml: aliases (*name) expand the document to more than", 2, job_suffix=BOMB),
+    Case("yaml_nested_too_deeply", [], "job.yaml: the YAML is nested too deeply to read", 2,
+         job_suffix="deep: " + "[" * 5000 + "]" * 5000 + "\n"),
     Case("job_file_not_utf8", [], "job.yaml:9: not UTF-8 text (byte 0xe9)", 2, job_suffix="# caf\udce9\n"),
     Case("yaml_recursive_alias", [], "an anchor refers to itself", 2, job_suffix="loop: &loop {again: *loop}\n"),
     Case("model_init_wrong_type", ["model.init.hidden_size=abc"],
@@ -348,4 +350,4 @@ CASES_TOTAL = len(CONFIG_CASES) + len(RUNTIME_CASES)
 def test_the_matrix_counts_every_case():
     """N cases, each asserting exit code, one line, no traceback and nothing lost; ids unique."""
     ids = [case.id for case in CONFIG_CASES] + RUNTIME_CASES
-    assert len(set(ids)) == len(ids) == CASES_TOTAL == 32
+    assert len(set(ids)) == len(ids) == CASES_TOTAL == 33
