@@ -159,7 +159,8 @@ def build_policy_model(job: JobConfig, ds_config: dict, tokenizer):
 def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
     seed_everything(job.train.seed)
     output_dir = Path(job.output_dir)
-    rows = load_rows(job.data.path, job.data.format, output_dir / "cache" / "datasets")
+    skip_bad = job.data.on_bad_row == "skip"
+    rows = load_rows(job.data.path, job.data.format, output_dir / "cache" / "datasets", skip_bad=skip_bad)
     tokenizer = make_tokenizer(job, rows, output_dir, dist.is_main)
     strategy = strategy_class(job.train.train_type)(job, tokenizer)
     dataset, skipped = prepare_dataset(strategy, rows, dist.is_main)

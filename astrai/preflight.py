@@ -351,16 +351,25 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.update(render_environment(job.runtime.environment))
     prepare_rank_environment()
     from astrai.launcher_watch import at_orphan_exit, watch_launchers
-    from astrai.run_lock import OutputDirLockedError, agree_on_lock, lock_for_this_rank
+    from astrai.run_lock import OutputDirLockedError, agree_on_lock, describe_os_error, lock_for_this_rank
 
     watch_launchers()
     lock, refusal = lock_for_this_rank(job.output_dir, args.config)  # its reports go into output_dir too
     at_orphan_exit(lock.release)
     if refusal is None:
-        write_rank_report(job)
+        try:
+            write_rank_report(job)
+        except OSError as error:  # output_dir a file, read-only or full: one line, as astrai/train.py says it
+            print(f"astrai preflight: {describe_os_error(error, job.output_dir)}", file=sys.stderr)
+            return 1
     from astrai.engine import all_gather_objects, set_log_format, setup_distributed, shutdown_distributed
+    from astrai.engine.distributed import RendezvousError
 
-    dist = setup_distributed(job.runtime.dist_timeout_s)
+    try:
+        dist = setup_distributed(job.runtime.dist_timeout_s)
+    except RendezvousError as error:
+        print(f"astrai preflight: {error}", file=sys.stderr)
+        return 1
     set_log_format(dist.rank, "INFO")
     try:
         agree_on_lock(refusal, all_gather_objects)

@@ -229,6 +229,16 @@ class RunLock:
         self.descriptor = None
 
 
+def describe_os_error(error: OSError, output_dir: str) -> str:
+    """One line for a file system refusal: the path, the errno's name (ENOSPC, EROFS, ...) and output_dir."""
+    name = errno.errorcode.get(error.errno or 0, "OSError")
+    where = error.filename or output_dir
+    if Path(output_dir).exists() and not Path(output_dir).is_dir():
+        return f"output_dir {output_dir} is a file, not a folder ({name}: {error.strerror or error})"
+    reason = error.strerror or error
+    return f"{where}: {name}: {reason} (output_dir: {output_dir}; checkpoints, metrics and caches are written there)"
+
+
 def lock_for_this_rank(output_dir: str | Path, config: str | None) -> tuple[RunLock, str | None]:
     """Before anything is written into output_dir, on every rank: (lock, refusal). Rank 0 (the launcher's
     RANK; 0 without one) takes the lock; its refusal is the error to raise after the rendezvous. Other
@@ -243,7 +253,7 @@ def lock_for_this_rank(output_dir: str | Path, config: str | None) -> tuple[RunL
     except OutputDirLockedError as error:
         return lock, str(error)
     except OSError as error:  # e.g. an output_dir this user cannot write: every rank stops with it, none waits
-        return lock, f"cannot lock output_dir {output_dir}: {error}"
+        return lock, describe_os_error(error, str(output_dir))
     atexit.register(lock.release)  # also when the rendezvous raises, before the caller's try/finally
     return lock, None
 

@@ -60,7 +60,45 @@ def load_and_check(config_path: str, overrides: list[str]):
         strategy.check_job(job, world_size)
     except ConfigError as error:
         raise ConfigError(f"{config_path}: {error}") from None
+    check_job_parts(job, config_path, world_size)
     return job
+
+
+def check_job_parts(job, config_path: str, world_size: int) -> None:
+    """What only the libraries behind a job can judge (DeepSpeed's config parser, the transformers config
+    of the model, the reward's Python module), judged before any rank starts: ConfigError naming file and key."""
+    from astrai.build import engine_config
+    from astrai.config import ConfigError
+    from astrai.config.schema import known_log_level
+    from astrai.engine.ds_config import DeepSpeedConfigError, check_ds_config
+    from astrai.models.policy import check_model_config
+    from astrai.rollout.rewards import RewardError, load_function
+
+    level = job.runtime.environment.get("ASTR_LOG_LEVEL", os.environ.get("ASTR_LOG_LEVEL"))
+    try:
+        if level:
+            known_log_level(level)
+    except ValueError as error:
+        raise ConfigError(f"{config_path}: ASTR_LOG_LEVEL (runtime.environment or the shell): {error}") from None
+    sources = [f"template {job.deepspeed.config}"] * bool(job.deepspeed.config)
+    sources += ["deepspeed.overrides"] * bool(job.deepspeed.overrides)
+    try:
+        for zero_stage in (None, job.critic.zero_stage) if job.train.train_type == "online_ppo" else (None,):
+            config = engine_config(job, config_path, lr=job.train.lr, max_grad_norm=job.train.max_grad_norm,
+                                   world_size=world_size, zero_stage=zero_stage)
+            check_ds_config(config, f"the DeepSpeed config ({' + '.join(sources) or 'defaults'})")
+    except DeepSpeedConfigError as error:
+        raise ConfigError(f"{config_path}: {error}") from None
+    problem = check_model_config(job.model)
+    if problem:
+        raise ConfigError(f"{config_path}: {problem}")
+    reward = job.reward
+    specs = [reward.function] + [component.function for component in reward.components or []] if reward else []
+    for spec in filter(None, specs):
+        try:
+            load_function(spec)
+        except RewardError as error:
+            raise ConfigError(f"{config_path}: {error}") from None
 
 
 def apply_environment(environment: dict) -> None:
@@ -88,14 +126,15 @@ def main(argv: list[str] | None = None) -> int:
     from astrai.config import dump_job
     from astrai.data.sources import DataError
     from astrai.engine import CollectiveStalledError, all_gather_objects, set_log_format, setup_distributed, shutdown_distributed, tune_malloc
+    from astrai.engine.distributed import RendezvousError
     from astrai.export import ExportError
     from astrai.models.policy import ModelError
     from astrai.models.tokenizer import TokenizerError
     from astrai.rollout.rewards import RewardError
     from astrai.launcher_watch import at_orphan_exit
-    from astrai.run_lock import OutputDirLockedError, agree_on_lock, lock_for_this_rank
+    from astrai.run_lock import OutputDirLockedError, agree_on_lock, describe_os_error, lock_for_this_rank
     from astrai.preflight import PreflightError, preflight_check, prepare_rank_environment, write_rank_report
-    from astrai.trainer import TRAIN_LOOPS
+    from astrai.trainer import TRAIN_LOOPS, NonFiniteError
 
     prepare_rank_environment()  # ranks started by mpirun/srun get torch's RANK, WORLD_SIZE, LOCAL_RANK
     # Before the rendezvous (the launcher's RANK names the rank), so what setup logs (the threads per rank) is shown.
@@ -103,8 +142,16 @@ def main(argv: list[str] | None = None) -> int:
     lock, refusal = lock_for_this_rank(job.output_dir, args.config)  # before anything is written into output_dir
     at_orphan_exit(lock.release)
     if refusal is None:
-        write_rank_report(job)  # written before the rendezvous, so it exists even if that hangs
-    dist = setup_distributed(job.runtime.dist_timeout_s)
+        try:
+            write_rank_report(job)  # written before the rendezvous, so it exists even if that hangs
+        except OSError as error:  # the first write into output_dir: a file there, read-only, full
+            print(f"astrai: {describe_os_error(error, job.output_dir)}", file=sys.stderr)
+            return 1
+    try:
+        dist = setup_distributed(job.runtime.dist_timeout_s)
+    except RendezvousError as error:
+        logger.error("%s", error)
+        return 1
     if job.runtime.tune_malloc:
         tune_malloc()
     try:
@@ -126,8 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:  # found only once the ranks are known (e.g. a batch that does not split over them)
         logger.error("%s: %s", args.config, error)
         return 2
-    except (DataError, ModelError, TokenizerError, CheckpointError, ExportError, PreflightError, RewardError, CollectiveStalledError, OutputDirLockedError) as error:
+    except (DataError, ModelError, TokenizerError, CheckpointError, ExportError, PreflightError, RewardError,
+            CollectiveStalledError, NonFiniteError, OutputDirLockedError) as error:
         logger.error("%s", error, exc_info=bool(os.environ.get("ASTR_DEBUG")))
+        return 1
+    except OSError as error:  # output_dir read-only or full mid-run (the checkpoint publisher names its own)
+        logger.error("%s", describe_os_error(error, job.output_dir), exc_info=bool(os.environ.get("ASTR_DEBUG")))
         return 1
     finally:
         shutdown_distributed()

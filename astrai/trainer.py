@@ -12,6 +12,7 @@ checkpoint. A step is one rollout; `policy_version` counts the policy's optimize
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import defaultdict
 
@@ -19,11 +20,60 @@ import torch
 
 from astrai.build import Run
 from astrai.checkpointing import TrainingCheckpoints, TrainerState
-from astrai.engine import all_reduce_sum, all_reduce_sums
+from astrai.engine import Engine, all_reduce_sum, all_reduce_sums
 from astrai.metrics import MetricsLog
 from astrai.rollout import rollout_metrics
 
 logger = logging.getLogger("astrai.trainer")
+
+
+class NonFiniteError(RuntimeError):
+    """A non-finite loss or gradient norm stopped the run (`train.on_nonfinite: stop`, or an update that
+    could not be skipped); nothing of the step was published."""
+
+
+def is_finite(loss: torch.Tensor) -> bool:
+    return bool(torch.isfinite(loss.detach()).all())
+
+
+def _gradients_finite(engine: Engine) -> bool:
+    """Every gradient this rank holds in `.grad` is finite (ZeRO-0: all of them, already all-reduced)."""
+    return all(bool(torch.isfinite(p.grad).all()) for p in engine.module.parameters() if p.grad is not None)
+
+
+def finish_update(engine: Engine, run: Run, nonfinite_loss: bool, what: str, step: int) -> bool:
+    """Instead of `engine.step()` for the micro-batch that ends an optimizer step: every rank says whether
+    one of its losses of the step was non-finite (one all-reduce), and all decide alike, before any update:
+    `train.on_nonfinite: stop` raises NonFiniteError, `skip_step` discards the step (`Engine.skip_update`).
+    A gradient norm found non-finite only after an update was applied (weights may be NaN) always stops,
+    before that step could be published; one DeepSpeed skipped itself (an fp16 overflow) is only counted.
+    Returns True when the update was applied."""
+    mode = run.job.train.on_nonfinite
+    if mode == "skip_step" and engine.zero_stage == 0 and not nonfinite_loss:
+        nonfinite_loss = not _gradients_finite(engine)  # ZeRO-0 applies any gradient: look before the update
+    ranks = int(all_reduce_sum(float(nonfinite_loss), run.dist.device))
+    checkpoints = run.output_dir / "checkpoints"
+    newest = f"nothing of step {step} was published; the newest checkpoint in {checkpoints} is still the last good one"
+    if ranks and mode == "stop":
+        raise NonFiniteError(
+            f"step {step}: non-finite {what} loss or gradient on {ranks} of {run.dist.world_size} ranks: "
+            "stopped before the update "
+            f"(train.on_nonfinite: stop; skip_step would skip such steps); {newest}"
+        )
+    if ranks:
+        engine.skip_update()
+        logger.warning("step %d: non-finite %s loss or gradient on %d ranks: update skipped "
+                       "(train.on_nonfinite: skip_step; %d skipped so far)", step, what, ranks, engine.skipped_steps)
+        return False
+    skipped_before = engine.skipped_steps
+    engine.step()
+    norm = engine.grad_norm
+    if norm is not None and not math.isfinite(norm) and engine.skipped_steps == skipped_before:
+        raise NonFiniteError(
+            f"step {step}: non-finite {what} gradient norm ({norm}) after the update: stopped "
+            f"(train.on_nonfinite: {mode}); {newest}"
+        )
+    return engine.skipped_steps == skipped_before
 
 
 def _to_device(batch: dict, device: torch.device) -> dict:
@@ -62,10 +112,15 @@ def offline_update(run: Run, micro_batches: list[dict]) -> dict[str, float]:
     loss_weight = all_reduce_sum(sum(strategy.loss_weight(b) for b in micro_batches), run.dist.device)
     normalizer = max(loss_weight, 1.0) / (run.dist.world_size * len(micro_batches))
     sums: dict[str, float] = defaultdict(float)
-    for batch in micro_batches:
+    nonfinite = False
+    for index, batch in enumerate(micro_batches):
         output = strategy.compute_loss(policy, _to_device(batch, run.dist.device), normalizer)
+        nonfinite |= not is_finite(output.loss)
         policy.backward(output.loss)
-        policy.step()
+        if index < len(micro_batches) - 1:
+            policy.step()
+        else:
+            finish_update(policy, run, nonfinite, "policy", policy.global_steps + 1)
         _add(sums, output)
         sums["tokens"] += float(batch["attention_mask"].sum())
     return sums
@@ -100,11 +155,18 @@ def train_offline(run: Run) -> TrainerState:
             record = {key: value / weight for key, value in totals.items()}
             record.update(lr=lr, grad_norm=policy.grad_norm, tokens=int(tokens), tokens_per_s=tokens / step_seconds,
                           elapsed_s=state.elapsed_s, epoch=state.epoch, samples=state.consumed_samples)
+            _add_skipped(record, run, policy)
             _close_step(run, state, record, metrics, checkpoints)
     finally:
         checkpoints.close()  # a background save in flight finishes (or says why not)
         metrics.close()
     return state
+
+
+def _add_skipped(record: dict, run: Run, policy: Engine) -> None:
+    """`skipped_steps`: optimizer steps skipped so far (train.on_nonfinite: skip_step, or DeepSpeed's fp16 overflow)."""
+    if run.job.train.on_nonfinite == "skip_step" or policy.skipped_steps:
+        record["skipped_steps"] = policy.skipped_steps
 
 
 PER_LOSS_UNIT = ("loss", "policy_loss", "value_loss")  # divided by the loss units (`weight`); other training sums by tokens
@@ -155,20 +217,25 @@ def train_online(run: Run) -> TrainerState:
                     # update is the mean over the minibatch's loss units whatever the split.
                     weights = [strategy.loss_weight(batch) for batch in micro_batches]
                     normalizer = max(all_reduce_sum(sum(weights), device), 1.0) / (world * accumulation)
-                    for batch, weight in zip(micro_batches, weights):
-                        if trains_policy:
-                            output = strategy.compute_loss(policy, batch, normalizer)
-                            policy.backward(output.loss)
-                            policy.step()
-                            _add(sums, output)
-                        if critic is not None:
-                            output = strategy.compute_critic_loss(critic, batch, normalizer)
-                            critic.backward(output.loss)
-                            critic.step()
+                    nonfinite, applied = {"policy": False, "critic": False}, {"policy": False}
+                    parts = (("policy", policy, strategy.compute_loss),
+                             ("critic", critic, strategy.compute_critic_loss))
+                    for index, (batch, weight) in enumerate(zip(micro_batches, weights)):
+                        last = index == len(micro_batches) - 1
+                        for part, engine, compute in parts:
+                            if engine is None or (part == "policy" and not trains_policy):
+                                continue
+                            output = compute(engine, batch, normalizer)
+                            nonfinite[part] |= not is_finite(output.loss)
+                            engine.backward(output.loss)
+                            if last:
+                                applied[part] = finish_update(engine, run, nonfinite[part], part, step)
+                            else:
+                                engine.step()
                             _add(sums, output)
                         sums["tokens"] += float(batch["response_mask"].sum())
                         sums["weight"] += float(weight)
-                    if trains_policy:
+                    if applied["policy"]:  # a skipped update (train.on_nonfinite: skip_step) changed no weight
                         state.policy_version += 1
             train_seconds = time.perf_counter() - train_started
             # 4. Metrics and checkpoint.
@@ -182,6 +249,7 @@ def train_online(run: Run) -> TrainerState:
                           policy_version=state.policy_version, elapsed_s=state.elapsed_s, epoch=state.epoch, samples=state.consumed_samples)
             if critic is not None:
                 record.update(policy_grad_norm=policy.grad_norm, critic_grad_norm=critic.grad_norm, critic_lr=critic_lr)
+            _add_skipped(record, run, policy)
             _close_step(run, state, record, metrics, checkpoints)
     finally:
         checkpoints.close()  # a background save in flight finishes (or says why not)

@@ -44,11 +44,54 @@ Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_12, list("-
 Yaml12Loader.add_implicit_resolver("tag:yaml.org,2002:bool", _BOOL_12, list("tTfF"))
 
 
+MAX_EXPANDED_NODES = 100_000  # a job file has hundreds of nodes; aliases may not multiply them past this
+
+
 def parse_yaml(text: str, source: str = "<string>") -> Any:
+    """YAML 1.2 scalars; aliases are checked before anything is built (see `expanded_size`)."""
+    loader = Yaml12Loader(text)
     try:
-        return yaml.load(text, Loader=Yaml12Loader)
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if expanded_size(node, {}, set(), source) > MAX_EXPANDED_NODES:
+            raise ConfigError(
+                f"{source}: aliases (*name) expand the document to more than {MAX_EXPANDED_NODES} nodes: "
+                "an alias bomb, or anchors reused far too often"
+            )
+        return loader.construct_document(node)
     except yaml.YAMLError as error:
         raise ConfigError(f"{source}: not valid YAML: {error}") from None
+    except RecursionError:  # PyYAML composes and builds recursively
+        raise ConfigError(f"{source}: the YAML is nested too deeply to read") from None
+    finally:
+        loader.dispose()
+
+
+def expanded_size(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int], source: str) -> int:
+    """Nodes of the document once every alias is copied out (as json, pydantic or a dump would):
+    counted with one entry per distinct node, so a bomb of 10 nested 10-fold aliases costs 100 steps,
+    not 10**10. A node that contains itself (a recursive anchor) has no finite expansion."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_nodes:
+        raise ConfigError(f"{source}:{node.start_mark.line + 1}: an anchor refers to itself (a recursive alias)")
+    open_nodes.add(key)
+    if isinstance(node, yaml.MappingNode):
+        children = [child for pair in node.value for child in pair]
+    elif isinstance(node, yaml.SequenceNode):
+        children = node.value
+    else:
+        children = []
+    size = 1
+    for child in children:
+        size += expanded_size(child, sizes, open_nodes, source)
+        if size > MAX_EXPANDED_NODES:
+            break  # big enough to refuse; the rest need not be counted
+    open_nodes.discard(key)
+    sizes[key] = size
+    return size
 
 
 def apply_override(raw: dict, assignment: str) -> None:
@@ -101,10 +144,14 @@ def _describe(error: ValidationError, text: str, source: str, overrides: list[st
             message = "unknown key"
         elif item["type"] == "missing":
             message = "required key is missing"
+        elif item["type"] == "value_error":
+            message = message.removeprefix("Value error, ")
         overridden = [o for o in overrides if o.split("=", 1)[0].strip() == dotted]
         where = f"--set {overridden[-1]}" if overridden else source
         line = None if overridden else _line_of(text, location)
         lines.append(f"{where}{f':{line}' if line else ''}: {dotted}: {message}")
+    if len(lines) == 1:
+        return f"invalid job config: {lines[0]}"
     return "invalid job config:\n  " + "\n  ".join(lines)
 
 
@@ -146,7 +193,12 @@ def load_job(path: str | Path, overrides: list[str] | tuple = (), check_paths: b
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"job file {str(path)!r} does not exist")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        line = path.read_bytes()[: error.start].count(b"\n") + 1
+        byte = error.object[error.start]
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{byte:02x}): save the job file as UTF-8") from None
     raw = parse_yaml(text, str(path))
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the job file must be a mapping of sections (output_dir, model, data, train, ...)")

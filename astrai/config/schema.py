@@ -7,15 +7,20 @@ silently falls back to a default.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+ENVIRONMENT_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")  # what a shell (and every launcher's env file) accepts
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    # No key of a job means anything with .inf or .nan: a non-finite lr or timeout is a typo, refused here.
+    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
 
 
 class ModelConfig(Section):
@@ -120,6 +125,12 @@ class TrainConfig(Section):
         "sampling), and the data order: a rerun of the job repeats its losses exactly.",
     )
     log_every_steps: int = Field(1, ge=1, description="Write a metrics record every N optimizer steps.")
+    on_nonfinite: Literal["stop", "skip_step"] = Field(
+        "stop", description="A non-finite loss or gradient norm on any rank (decided on all ranks together): `stop` "
+        "ends the run with exit 1 before the step's update and before any checkpoint of it (the last good checkpoint "
+        "stays newest); `skip_step` "
+        "discards that optimizer step's gradients, applies no update and counts it in the metric `skipped_steps`."
+    )
 
     @model_validator(mode="after")
     def _length(self) -> "TrainConfig":
@@ -161,13 +172,36 @@ class CheckpointConfig(Section):
 class RuntimeConfig(Section):
     environment: dict[str, Any] = Field(default_factory=dict, description="Variables exported to every rank of this job (values rendered with str(); null = empty), e.g. `{ASTR_LOG_LEVEL: DEBUG, ASTR_BACKEND: sdpa}` (the trainer's log level; the attention implementation handed to transformers: sdpa, eager, flash_attention_2). Nothing comes from the host shell unless listed here.")
     dist_timeout_s: float = Field(1800.0, gt=0, description="Timeout of every collective of the job's process groups.")
-    log_level: str = Field("INFO", description="Trainer log level (env ASTR_LOG_LEVEL overrides).")
+    log_level: str = Field(
+        "INFO", description="Trainer log level (env ASTR_LOG_LEVEL overrides): DEBUG, INFO, WARNING, ERROR or CRITICAL."
+    )
     progress_bar: bool = Field(True, description="tqdm bar on rank 0.")
     tensorboard: bool = Field(True, description="Write TensorBoard events when `tensorboard` is installed.")
     tune_malloc: bool = Field(
         True, description="Set glibc malloc's mmap/trim thresholds on every rank so each step's buffers are kept rather than faulted in "
         "again (1.1x tokens/s on a CPU; skipped where another allocator is preloaded or MALLOC_*_ is set; astrai/engine/host_memory.py)."
     )
+
+
+    @field_validator("log_level")
+    @classmethod
+    def _known_level(cls, value: str) -> str:
+        return known_log_level(value)
+
+    @field_validator("environment")
+    @classmethod
+    def _variable_names(cls, value: dict[str, Any]) -> dict[str, Any]:
+        bad = [str(name) for name in value if not ENVIRONMENT_NAME.match(str(name))]
+        if bad:
+            raise ValueError(f"{bad[0]!r} is not a variable name (letters, digits and _, not starting with a digit)")
+        return value
+
+
+def known_log_level(value: str) -> str:
+    """`value` if it names a log level (any case), else a ValueError listing the levels."""
+    if str(value).upper() not in LOG_LEVELS:
+        raise ValueError(f"unknown log level {value!r}: one of {', '.join(LOG_LEVELS)}")
+    return value
 
 
 class GpuConfig(Section):
@@ -392,6 +426,13 @@ class JobConfig(Section):
         if self.train.train_type == "online_ppo" and self.critic.warmup_rollouts >= self.train.max_steps:
             raise ValueError(f"`critic.warmup_rollouts` ({self.critic.warmup_rollouts}) leaves no step of `train.max_steps` ({self.train.max_steps}) to train the policy")
         return self
+
+    @field_validator("output_dir")
+    @classmethod
+    def _named_folder(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must name a folder (an empty output_dir would write into the current directory)")
+        return value
 
     @model_validator(mode="after")
     def _export_destination(self) -> "JobConfig":

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import codecs
 import glob
+import hashlib
 import json
+import logging
+import os
 from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +15,9 @@ from pathlib import Path
 import datasets
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
+SCAN_CHUNK_BYTES = 1 << 24
+
+logger = logging.getLogger("astrai.data")
 
 
 class DataError(Exception):
@@ -43,21 +50,78 @@ class Rows:
         return f"{self.files[position]} row {index - self.starts[position] + 1}"
 
 
-def load_rows(path: str, file_format: str, cache_dir: Path) -> Rows:
+def load_rows(path: str, file_format: str, cache_dir: Path, skip_bad: bool = False) -> Rows:
+    """Every file's rows. JSON files must be UTF-8 (pyarrow reads other bytes without complaint and
+    fails later, deep in tokenisation): a row that is not stops the load naming file and row, or with
+    `skip_bad` (data.on_bad_row: skip) is left out, the file read from a copy without it, and counted."""
     files = find_files(path)
     parts, starts, total = [], [], 0
     for file in files:
         builder = BUILDERS[file.suffix] if file_format == "auto" else file_format
+        source = file
+        if builder == "json":
+            source = utf8_rows_of(file, cache_dir, skip_bad)
         try:
-            part = datasets.load_dataset(builder, data_files=str(file), split="train", cache_dir=str(cache_dir))
+            part = datasets.load_dataset(builder, data_files=str(source), split="train", cache_dir=str(cache_dir))
         except Exception as error:  # datasets raises many types for a bad file; all mean "cannot read"
             raise DataError(f"{file}: cannot read as {builder}: {error}") from None
-        refuse_changed_values(file, part)
+        refuse_changed_values(source, part)
         parts.append(part)
         starts.append(total)
         total += len(part)
     dataset = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
     return Rows(dataset, files, starts)
+
+
+def invalid_utf8_lines(file: Path) -> list[tuple[int, int, str]]:
+    """(line number, row number, reason) of each line of `file` that is not UTF-8; rows count non-blank
+    lines, as JSON Lines readers do. A fast whole-file pass first: clean files are never split into lines."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        with open(file, "rb") as handle:
+            while chunk := handle.read(SCAN_CHUNK_BYTES):
+                decoder.decode(chunk)
+            decoder.decode(b"", final=True)
+        return []
+    except UnicodeDecodeError:
+        pass
+    bad, row = [], 0
+    with open(file, "rb") as handle:
+        for number, line in enumerate(handle, 1):
+            row += bool(line.strip())
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                bad.append((number, row, f"byte 0x{line[error.start]:02x} at column {error.start + 1}: {error.reason}"))
+    return bad
+
+
+def utf8_rows_of(file: Path, cache_dir: Path, skip_bad: bool) -> Path:
+    """`file` itself when every line is UTF-8; else a DataError naming the first bad row or, with
+    `skip_bad`, a copy of the file without the bad lines (written once per file version, atomically)."""
+    bad = invalid_utf8_lines(file)
+    if not bad:
+        return file
+    number, row, reason = bad[0]
+    if not skip_bad or file.suffix != ".jsonl":  # one JSON document cannot lose a line and stay JSON
+        more = f" ({len(bad)} lines in all)" if len(bad) > 1 else ""
+        hint = "; fix the file's encoding" + (" or set data.on_bad_row: skip" if file.suffix == ".jsonl" else "")
+        raise DataError(f"{file}: row {row} (line {number}) is not valid UTF-8: {reason}{more}{hint}")
+    status = file.stat()
+    key = hashlib.sha256(f"{file.resolve()}:{status.st_size}:{status.st_mtime_ns}".encode()).hexdigest()[:16]
+    copy = cache_dir / "utf8" / f"{file.stem}-{key}.jsonl"
+    if not copy.is_file():
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        skipped_lines = {line for line, _, _ in bad}
+        temporary = copy.with_name(f".{copy.name}.{os.getpid()}.tmp")
+        with open(file, "rb") as source, open(temporary, "wb") as target:
+            target.writelines(line for number, line in enumerate(source, 1) if number not in skipped_lines)
+        os.replace(temporary, copy)
+    logger.warning(
+        "%s: skipped %d rows that are not valid UTF-8 (data.on_bad_row: skip), the first row %d (line %d): %s",
+        file, len(bad), row, number, reason,
+    )
+    return copy
 
 
 def mixed_type_columns(features, prefix: str = "") -> list[str]:

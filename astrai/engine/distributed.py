@@ -29,10 +29,29 @@ class DistInfo:
         return self.rank == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+class RendezvousError(RuntimeError):
+    """The ranks could not meet: the launcher's rendezvous port is taken; the message names it and the fix."""
+
+
+def loopback_interface() -> str | None:
+    """The loopback network interface's name (`lo` on Linux, `lo0` on macOS), or None."""
+    names = {name for _, name in socket.if_nameindex()}
+    return next((name for name in ("lo", "lo0") if name in names), None)
+
+
+def _init_single_rank(backend: str, timeout_s: float) -> None:
+    """`python astrai/train.py` without a launcher: a process group of one over an in-memory store, so
+    the run opens no rendezvous port (a TCP store listens on every interface), and gloo's (or NCCL's)
+    own sockets are bound to the loopback interface, unless the job names another."""
+    interface = loopback_interface()
+    if interface is not None:
+        os.environ.setdefault("NCCL_SOCKET_IFNAME" if backend == "nccl" else "GLOO_SOCKET_IFNAME", interface)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=timeout_s))
+
+
+def _port_in_use(error: BaseException) -> bool:
+    text = str(error)
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
 
 
 def setup_distributed(timeout_s: float) -> DistInfo:
@@ -40,8 +59,10 @@ def setup_distributed(timeout_s: float) -> DistInfo:
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    if "RANK" not in os.environ:  # `python astrai/train.py` without the launcher: one rank
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    # `python astrai/train.py` without a launcher: one rank (or a process that made one before: no MASTER_ADDR).
+    single_rank = "RANK" not in os.environ or (os.environ.get("WORLD_SIZE") == "1" and "MASTER_ADDR" not in os.environ)
+    if single_rank:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     on_gpu = torch.cuda.is_available()
     backend = "nccl" if on_gpu else "gloo"
@@ -49,8 +70,20 @@ def setup_distributed(timeout_s: float) -> DistInfo:
         torch.cuda.set_device(local_rank)
     else:
         skip_shared_memory_allreduce()
-    if not dist.is_initialized():
+    if single_rank and not dist.is_initialized():
+        _init_single_rank(backend, timeout_s)
+    try:
+        # With the group already made (one rank), DeepSpeed only adopts it.
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timedelta(seconds=timeout_s), verbose=False)
+    except RuntimeError as error:  # torch's DistNetworkError is one
+        if not _port_in_use(error):
+            raise
+        address = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        raise RendezvousError(
+            f"rendezvous port {address} is already in use (another job or a leftover rank holds it): start the "
+            "launcher with another port, e.g. `deepspeed --master_port 29511 astrai/train.py ...` "
+            "(infra.master_port for `python -m astrai launch`)"
+        ) from None
     _bound_deepspeed_world_group(timeout_s)
     device = torch.device(get_accelerator().device_name(local_rank)) if on_gpu else torch.device("cpu")
     pin_threads()

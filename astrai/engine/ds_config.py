@@ -13,6 +13,66 @@ import torch
 
 logger = logging.getLogger("astrai.engine")
 
+# Sections of a DeepSpeed config that must be JSON objects (DeepSpeed would fail on anything else with a TypeError).
+OBJECT_SECTIONS = ("zero_optimization", "bf16", "fp16", "optimizer", "scheduler", "activation_checkpointing")
+# DeepSpeed's pydantic models, by the config key they parse (for error messages naming the key).
+SECTION_OF_MODEL = {
+    "DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedBF16Config": "bf16", "DeepSpeedFP16Config": "fp16",
+    "DeepSpeedZeroOffloadOptimizerConfig": "zero_optimization.offload_optimizer",
+    "DeepSpeedZeroOffloadParamConfig": "zero_optimization.offload_param",
+}
+
+
+class DeepSpeedConfigError(ValueError):
+    """A DeepSpeed template or `deepspeed.overrides` that DeepSpeed would refuse; the message names the file or key."""
+
+
+def read_template(path: Path) -> dict:
+    """A DeepSpeed JSON template as a dict, or a DeepSpeedConfigError naming the file (and line)."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as error:
+        where = f"{path}:{error.lineno}"
+        raise DeepSpeedConfigError(f"{where}: not valid JSON: {error.msg} (column {error.colno})") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise DeepSpeedConfigError(f"{path}: cannot read: {error}") from None
+    if not isinstance(config, dict):
+        kind = type(config).__name__
+        raise DeepSpeedConfigError(f"{path}: a DeepSpeed config must be a JSON object {{...}}, not a {kind}")
+    _check_sections(config, str(path))
+    return config
+
+
+def _check_sections(config: dict, origin: str) -> None:
+    for key in OBJECT_SECTIONS:
+        if key in config and not isinstance(config[key], dict):
+            raise DeepSpeedConfigError(f"{origin}: {key} must be an object {{...}}, got {config[key]!r}")
+
+
+def check_ds_config(config: dict, origin: str) -> None:
+    """Parse `config` as DeepSpeed will (its own pydantic models and sanity checks), on no rank and with no
+    process group, so what DeepSpeed refuses (ZeRO stage 7, a string where a number goes) stops the job
+    before any rank starts. `origin` (the template and/or `deepspeed.overrides`) heads the message."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from pydantic import ValidationError
+
+    _check_sections(config, origin)
+    candidate = copy.deepcopy(config)
+    candidate.pop("train_batch_size", None)  # consistent with the world size only at run time; DeepSpeed derives it
+    deepspeed_logger = logging.getLogger("DeepSpeed")
+    level = deepspeed_logger.level
+    deepspeed_logger.setLevel(logging.WARNING)  # it logs the world size it assumed at INFO
+    try:
+        DeepSpeedConfig(candidate)
+    except ValidationError as error:
+        item = error.errors()[0]
+        key = ".".join([SECTION_OF_MODEL.get(error.title, error.title), *map(str, item["loc"])])
+        raise DeepSpeedConfigError(f"{origin}: {key}: {item['msg']} (got {item.get('input')!r})") from None
+    except (TypeError, ValueError, AssertionError, KeyError, AttributeError) as error:
+        raise DeepSpeedConfigError(f"{origin}: DeepSpeed refuses the config: {error}") from None
+    finally:
+        deepspeed_logger.setLevel(level)
+
 
 def effective_zero_stage(requested: int, world_size: int, offloaded: bool, keep: bool) -> int:
     """ZeRO-1/2 on a single rank partition over one process: all cost, no memory saved. Run
@@ -53,7 +113,7 @@ def build_ds_config(
     world_size: int | None = None,
 ) -> dict:
     """Template (if any) <- job settings <- `deepspeed.overrides`. The result is what DeepSpeed sees."""
-    config: dict = json.loads(template_path.read_text()) if template_path else {}
+    config: dict = read_template(template_path) if template_path else {}
     zero = config.setdefault("zero_optimization", {})
     stage = zero_stage if zero_stage is not None else section.zero_stage
     if stage is not None:
@@ -83,7 +143,7 @@ def build_ds_config(
     if implementation == "torch":
         params["torch_adam"] = True  # fused Adam is CUDA-only
     elif implementation == "cpu_adam" and not offloaded:
-        raise ValueError("deepspeed.optimizer: cpu_adam needs deepspeed.offload_optimizer: cpu")
+        raise DeepSpeedConfigError("deepspeed.optimizer: cpu_adam needs deepspeed.offload_optimizer: cpu")
     config["optimizer"] = {"type": "AdamW", "params": params}
     return deep_merge(config, section.overrides)
 

@@ -78,6 +78,25 @@ class Engine:
             self._stage0_grad_norm = float(torch.nn.utils.get_total_norm(gradients)) if gradients else None
         self._engine.step()
 
+    def skip_update(self) -> None:
+        """At the accumulation boundary, instead of `step()`: discard this optimizer step. DeepSpeed's own
+        step runs (so every ZeRO stage clears its gradients and partition buffers its own way, and its
+        counters advance) with the torch optimizer(s) it wraps and the LR schedule silenced: weights, fp32
+        master weights and Adam moments stay as they were, and the schedule does not advance, as for
+        DeepSpeed's own skip of an fp16 overflow step. Counted in DeepSpeed's `skipped_steps`."""
+        engine, skipped_before = self._engine, self._engine.skipped_steps
+        silenced = [engine.basic_optimizer, getattr(engine.optimizer, "backup_optimizer", None), engine.lr_scheduler]
+        with _silenced_steps([item for item in silenced if item is not None]):
+            engine.step()
+        if engine.skipped_steps == skipped_before:  # DeepSpeed did not find the overflow itself
+            engine.skipped_steps += 1
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped since the run began (DeepSpeed's counter, kept in checkpoints): by
+        `skip_update`, or by DeepSpeed itself on a non-finite gradient (fp16 loss-scale overflow)."""
+        return int(self._engine.skipped_steps)
+
     def train(self) -> None:
         self._engine.train()
 
@@ -287,6 +306,22 @@ def check_shapes(source, recorded: dict[str, tuple], module: torch.nn.Module, *,
             f"unknown {unknown[:5]} "
             "(model.init / model.path differ from the run that saved it)"
         )
+@contextlib.contextmanager
+def _silenced_steps(objects: list):
+    """`step` of each object (torch optimizers, an LR scheduler) does nothing inside the block; the
+    instance attribute each may hold (torch's LR scheduler wraps `optimizer.step` there) is restored."""
+    missing = object()
+    saved = [(item, item.__dict__.get("step", missing)) for item in objects]
+    for item in objects:
+        item.step = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        for item, original in saved:
+            if original is missing:
+                del item.step
+            else:
+                item.step = original
 
 
 def consolidated_state_dict(engine_folder: str | Path) -> dict[str, torch.Tensor]:

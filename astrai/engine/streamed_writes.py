@@ -11,6 +11,7 @@ is left alone: it has its own writer, and the publisher then hashes those files 
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 from typing import BinaryIO, Callable
 
@@ -37,7 +38,14 @@ def _streaming_engine_classes():
 
         def save(self, state_dict, path: str) -> None:
             with self._open_file(path) as handle:
-                torch.save(state_dict, handle, _use_new_zipfile_serialization=self.zipfile_serialization)
+                try:
+                    torch.save(state_dict, handle, _use_new_zipfile_serialization=self.zipfile_serialization)
+                except RuntimeError as error:
+                    cause = error.__context__  # torch's zip writer reports a failed write as "unexpected pos"
+                    if isinstance(cause, OSError) and cause.errno:  # the file's own error: ENOSPC, EDQUOT, EIO
+                        name = errno.errorcode.get(cause.errno, "OSError")
+                        raise OSError(cause.errno, f"{name}: {cause.strerror}", path) from error
+                    raise
 
     return TorchCheckpointEngine, StreamingTorchCheckpointEngine
 

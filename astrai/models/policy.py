@@ -10,6 +10,8 @@ import re
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger("astrai.models")
@@ -18,6 +20,9 @@ logger = logging.getLogger("astrai.models")
 # (attn_pdrop, resid_pdrop, embd_pdrop, hidden_dropout, attention_dropout, activation_dropout, layerdrop, ...)
 # and the float copies attention and decoder layers take of them at construction (OPT's `self.dropout`).
 DROPOUT_NAME = re.compile(r"dropout|pdrop|layerdrop", re.IGNORECASE)
+
+# transformers 5 validates config fields strictly (types, heads dividing the hidden size) with these.
+CONFIG_ERRORS = (ValueError, TypeError, KeyError, StrictDataclassError)
 
 
 class ModelError(Exception):
@@ -42,8 +47,8 @@ def build_policy(model_config, tokenizer: PreTrainedTokenizerBase, seed: int) ->
         settings.setdefault("bos_token_id", tokenizer.bos_token_id)
         try:
             config = AutoConfig.for_model(model_type, **settings)
-        except (ValueError, TypeError) as error:
-            raise ModelError(f"model.init: {error}") from None
+        except CONFIG_ERRORS as error:
+            raise ModelError(f"model.init: {last_line(error)}") from None
         torch.manual_seed(seed)  # every rank builds the same initial weights
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **extra)
     else:
@@ -131,6 +136,50 @@ def router_aux_loss_coef(setting: float | None, model) -> float:
     return float(setting)
 
 
+def last_line(error: Exception) -> str:
+    """The telling line of a (possibly multi-line) library error: strict validation puts the cause last."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
+def check_model_config(model_config) -> str | None:
+    """What is wrong with `model.init` or `model.path`'s config.json, found without building the model
+    (so before any rank starts); None when nothing is. The message starts with the key it names."""
+    if model_config.init is not None:
+        settings = dict(model_config.init)
+        model_type = settings.pop("model_type")
+        # The tokenizer's size is known only once built; a count above any token id keeps id checks quiet.
+        settings.setdefault("vocab_size", 1 << 20)
+        where = "model.init"
+        try:
+            config = AutoConfig.for_model(model_type, **settings)
+        except CONFIG_ERRORS as error:
+            return f"{where}: {last_line(error)}"
+    else:
+        where = f"model.path: {Path(model_config.path) / 'config.json'}"
+        try:
+            config = AutoConfig.from_pretrained(str(model_config.path), local_files_only=True)
+        except (OSError, *CONFIG_ERRORS) as error:
+            return f"{where}: {last_line(error)}"
+    return _architecture_problem(config, where)
+
+
+def _architecture_problem(config, where: str) -> str | None:
+    """Shapes a config accepts but a model cannot be built (or run) with, for any architecture that names them."""
+    names = ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "intermediate_size",
+             "vocab_size")
+    sizes = {name: getattr(config, name, None) for name in names}
+    for name, value in sizes.items():
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            return f"{where}: {name} must be a positive integer, got {value!r}"
+    hidden, heads, kv_heads = sizes["hidden_size"], sizes["num_attention_heads"], sizes["num_key_value_heads"]
+    if hidden is not None and heads is not None and getattr(config, "head_dim", None) is None and hidden % heads:
+        return f"{where}: hidden_size ({hidden}) is not a multiple of num_attention_heads ({heads})"
+    if heads is not None and kv_heads is not None and heads % kv_heads:
+        return f"{where}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"
+    return None
+
+
 def embedding_rows(model) -> int:
     """Rows of the input embedding; under ZeRO-3 partitioned loading the local tensor is empty and
     DeepSpeed keeps the full shape in `ds_shape`."""
@@ -144,5 +193,19 @@ def load_causal_lm(path: str | Path, **kwargs) -> PreTrainedModel:
         raise ModelError(f"model.path: {str(path)!r} is not a local folder (AstrAI never downloads from a hub at run time)")
     try:
         return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, local_files_only=True, **kwargs)
+    except SafetensorError as error:
+        file = unreadable_weights(Path(path)) or path
+        raise ModelError(f"model.path: {file}: cannot read the weights: {error}") from None
     except (OSError, ValueError) as error:
         raise ModelError(f"model.path: cannot load {str(path)!r}: {error}") from None
+
+
+def unreadable_weights(folder: Path) -> Path | None:
+    """The first safetensors file of `folder` whose header does not cover the file (truncated, or not safetensors)."""
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except (SafetensorError, OSError):
+            return file
+    return None

@@ -93,6 +93,12 @@ def load_function(spec: str) -> Callable:
         module = importlib.import_module(module_name)
     except ImportError as error:
         raise RewardError(f"reward.function: cannot import {module_name!r} for {spec!r}: {error}") from None
+    except SyntaxError as error:  # the module's own code: name its file and line
+        where = f"{error.filename}:{error.lineno}"
+        raise RewardError(f"reward.function: {where}: {error.msg} (importing {module_name!r} for {spec!r})") from None
+    except Exception as error:  # the module runs code at import; whatever it raises means it cannot be used
+        raised = f"{type(error).__name__}: {error}"
+        raise RewardError(f"reward.function: importing {module_name!r} for {spec!r} raised {raised}") from None
     function = getattr(module, attribute, None)
     if not callable(function):
         raise RewardError(f"reward.function: {module_name!r} has no callable {attribute!r}")
