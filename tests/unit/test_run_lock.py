@@ -183,7 +183,8 @@ def test_an_output_dir_that_cannot_be_locked_is_a_refusal_for_every_rank(tmp_pat
     monkeypatch.setenv("RANK", "0")
     (tmp_path / "file").write_text("not a folder")
     lock, refusal = lock_for_this_rank(tmp_path / "file" / "out", "job.yaml")
-    assert lock.descriptor is None and refusal.startswith(f"cannot lock output_dir {tmp_path / 'file' / 'out'}: ")
+    output_dir = tmp_path / "file" / "out"
+    assert lock.descriptor is None and refusal.startswith(f"{output_dir}: ENOTDIR: Not a directory (output_dir: {output_dir};")
 
 
 def test_a_holder_whose_record_is_not_written_yet_is_not_confused_with_the_dead_job_before_it(tmp_path):
