@@ -27,7 +27,8 @@ JOB = """\
 output_dir: {output_dir}
 model: {{path: {model}}}
 data: {{path: {data}, max_seq_len: 48}}
-train: {{train_type: dpo, max_steps: {steps}, micro_batch_size: 4, lr: 3e-3, lr_schedule: constant, warmup_steps: 0, seed: 3}}
+train: {{train_type: dpo, max_steps: {steps}, micro_batch_size: 4, lr: 3e-3, lr_schedule: constant, warmup_steps: 0,
+        seed: 3}}
 deepspeed: {{zero_stage: 2}}
 runtime: {{progress_bar: false, tensorboard: false}}
 """
@@ -78,7 +79,8 @@ def held_parameters(run) -> int:
 def test_reference_free_loss_builds_no_reference_and_trains(one_rank, folder, loss):
     config = write_config(folder, loss)
     before = frozen_engines()
-    run = build_run(load_and_check(config, [f"dpo.loss={loss}", "dpo.beta=2.0", "dpo.simpo_gamma=0.5"]), one_rank, config)
+    job = load_and_check(config, [f"dpo.loss={loss}", "dpo.beta=2.0", "dpo.simpo_gamma=0.5"])
+    run = build_run(job, one_rank, config)
     assert run.strategy.reference is None and run.strategy.checkpoint_meta() == {"reference": None}
     assert set(run.engines) == {"policy"} and frozen_engines() == before  # no reference engine was ever made
     policy_parameters = sum(p.numel() for p in run.engines["policy"].module.parameters())
@@ -88,7 +90,8 @@ def test_reference_free_loss_builds_no_reference_and_trains(one_rank, folder, lo
     assert state.step == STEPS
     records = read_metrics(folder / loss / "metrics.jsonl")
     assert [record["step"] for record in records] == list(range(1, STEPS + 1))
-    names = {"loss", "rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "logps_chosen", "logps_rejected"}
+    names = {"loss", "rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "logps_chosen",
+             "logps_rejected"}
     if loss == "orpo":
         names |= {"nll_loss", "log_odds_ratio", "log_odds_chosen"}
     for record in records:
@@ -114,7 +117,8 @@ def test_sigmoid_still_builds_its_reference(one_rank, folder):
 @pytest.mark.parametrize("loss", ["simpo", "orpo"])
 @pytest.mark.parametrize(
     "override, key",
-    [("dpo.precompute_reference=true", "dpo.precompute_reference"), ("model.reference_path={start}", "model.reference_path"),
+    [("dpo.precompute_reference=true", "dpo.precompute_reference"),
+     ("model.reference_path={start}", "model.reference_path"),
      ("dpo.label_smoothing=0.1", "dpo.label_smoothing")],
 )
 def test_reference_keys_are_refused(folder, loss, override, key):
