@@ -20,13 +20,13 @@ import datasets
 import torch
 
 from astrai.algos.dpo import dpo_loss
-from astrai.algos.preference import REFERENCE_FREE_LOSSES, orpo_loss, simpo_loss
 from astrai.algos.logprobs import real_vocabulary, sequence_logprobs, shift_for_next_token, token_logprobs
+from astrai.algos.preference import REFERENCE_FREE_LOSSES, orpo_loss, simpo_loss
+from astrai.config import ConfigError
 from astrai.data import render_rows
 from astrai.data.collate import pad_right
 from astrai.data.render import preference_batch
 from astrai.engine import all_gather_objects
-from astrai.config import ConfigError
 from astrai.strategies.base import StepOutput, Strategy, register
 from astrai.strategies.reference import build_reference
 
