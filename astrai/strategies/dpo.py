@@ -5,6 +5,10 @@ the mean over the optimizer step's pairs (the loop divides by the global pair co
 is either held as a frozen engine (partitioned under ZeRO-3) or, with `dpo.precompute_reference`,
 evaluated once over the whole data set before training and then freed: it never changes, so one
 pass serves every epoch.
+
+The reference-free losses (`dpo.loss: simpo | orpo`) score each completion by its average token
+log-prob under the policy alone: no reference model is built, so `dpo.precompute_reference` and
+`model.reference_path` are refused with them.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import torch
 
 from astrai.algos.dpo import dpo_loss
 from astrai.algos.logprobs import real_vocabulary, sequence_logprobs, shift_for_next_token, token_logprobs
+from astrai.algos.preference import REFERENCE_FREE_LOSSES, orpo_loss, simpo_loss
+from astrai.config import ConfigError
 from astrai.data import render_rows
 from astrai.data.collate import pad_right
 from astrai.data.render import preference_batch
@@ -26,6 +32,7 @@ from astrai.strategies.reference import build_reference
 
 logger = logging.getLogger("astrai.dpo")
 REFERENCE_COLUMNS = ("reference_chosen_logps", "reference_rejected_logps")
+AVERAGED_LOSSES = ("ipo", *REFERENCE_FREE_LOSSES)  # these papers score completions by their mean token log-prob
 
 
 def completion_logprobs(model, batch: dict, average: bool = False, vocab_size: int | None = None) -> torch.Tensor:
@@ -53,9 +60,29 @@ class DpoStrategy(Strategy):
     def prepare_data(self, rows) -> tuple[datasets.Dataset, int]:
         return render_rows(rows, preference_batch, tokenizer=self.tokenizer, data=self.job.data, description="rendering preference pairs")
 
+    @classmethod
+    def check_job(cls, job, world_size: int) -> None:
+        settings = job.dpo
+        if settings.label_smoothing and settings.loss != "sigmoid":
+            raise ConfigError(
+                f"`dpo.label_smoothing` applies to `dpo.loss: sigmoid` only, not {settings.loss!r}: set it to 0"
+            )
+        if settings.loss not in REFERENCE_FREE_LOSSES:
+            return
+        if settings.precompute_reference:
+            raise ConfigError(
+                f"`dpo.loss: {settings.loss}` uses no reference model: `dpo.precompute_reference` must be false"
+            )
+        if job.model.reference_path is not None:
+            raise ConfigError(f"`dpo.loss: {settings.loss}` uses no reference model: remove `model.reference_path`")
+
     def setup(self, run) -> None:
-        self.reference, self.reference_source = build_reference(self.job, self.tokenizer, run.engines["policy"].ds_config)
         self.device = run.dist.device
+        if self.job.dpo.loss in REFERENCE_FREE_LOSSES:
+            self.reference, self.reference_source = None, None  # never built: the loss needs only the policy
+            return
+        policy_config = run.engines["policy"].ds_config
+        self.reference, self.reference_source = build_reference(self.job, self.tokenizer, policy_config)
         if self.job.dpo.precompute_reference:
             run.dataset = self._precompute(run)
             self.reference = None  # freed: the log-probs now travel with the data
@@ -72,7 +99,7 @@ class DpoStrategy(Strategy):
         for round_index in range(rounds):
             indices = own[round_index * micro : (round_index + 1) * micro] or own[:1]
             batch = self._to_device(self.collate([run.dataset[i] for i in indices]))
-            average = self.job.dpo.loss == "ipo"
+            average = self.job.dpo.loss in AVERAGED_LOSSES
             logps = completion_logprobs(self.reference, batch, average=average, vocab_size=len(self.tokenizer))
             pairs = len(indices)
             for position, index in enumerate(indices):
@@ -111,15 +138,9 @@ class DpoStrategy(Strategy):
     def compute_loss(self, policy, batch: dict, normalizer: float) -> StepOutput:
         pairs = batch["input_ids"].shape[0] // 2
         settings = self.job.dpo
-        average = settings.loss == "ipo"  # IPO's paper scores completions by their mean token log-prob
+        average = settings.loss in AVERAGED_LOSSES
         logps, output = completion_forward(policy, batch, average, len(self.tokenizer), **self.router_options(policy))
-        reference = batch.get("reference_logps")
-        if reference is None:
-            reference = completion_logprobs(self.reference, batch, average, len(self.tokenizer))
-        objective = dpo_loss(
-            logps[:pairs], logps[pairs:], reference[:pairs], reference[pairs:],
-            beta=settings.beta, loss_type=settings.loss, label_smoothing=settings.label_smoothing,
-        )
+        objective = self._objective(logps[:pairs], logps[pairs:], batch, average)
         chosen, rejected = logps[:pairs].detach(), logps[pairs:].detach()
         sums = {
             "loss": float(objective.losses.detach().sum()),
@@ -131,6 +152,26 @@ class DpoStrategy(Strategy):
             "logps_rejected": float(rejected.sum()),
             "weight": float(pairs),
         }
+        if settings.loss == "orpo":  # TRL's ORPOTrainer names: the NLL part, logsigmoid(log odds), the log odds
+            sums["nll_loss"] = float(objective.nll_losses.sum())
+            sums["log_odds_ratio"] = float(objective.log_odds_ratios.sum())
+            sums["log_odds_chosen"] = float(objective.log_odds.sum())
         router = self.router_aux_loss(policy, output, float(pairs), normalizer, sums, float(pairs))
         loss = objective.losses.sum() / normalizer + router
         return StepOutput(loss, sums)
+
+    def _objective(self, chosen: torch.Tensor, rejected: torch.Tensor, batch: dict, average: bool):
+        """The configured loss of B pairs from the policy's log-probs [B] each (averaged for ipo/simpo/orpo)."""
+        settings = self.job.dpo
+        if settings.loss == "simpo":
+            return simpo_loss(chosen, rejected, beta=settings.beta, gamma=settings.simpo_gamma)
+        if settings.loss == "orpo":
+            return orpo_loss(chosen, rejected, beta=settings.beta)
+        reference = batch.get("reference_logps")
+        if reference is None:
+            reference = completion_logprobs(self.reference, batch, average, len(self.tokenizer))
+        pairs = chosen.shape[0]
+        return dpo_loss(
+            chosen, rejected, reference[:pairs], reference[pairs:],
+            beta=settings.beta, loss_type=settings.loss, label_smoothing=settings.label_smoothing,
+        )
