@@ -230,7 +230,8 @@ class RlConfig(Section):
     clip_eps_high: float | None = Field(None, gt=0, description="The ratio's upper bound is 1 + clip_eps_high (DAPO's clip-higher uses 0.28; null: clip_eps_low).")
     dual_clip_c: float | None = Field(None, gt=1, description="`online_ppo`: dual-clip (Ye et al. 2020) caps a negative-advantage token's loss at -A x c (e.g. 3; null: off).")
     kl_coef: float = Field(
-        0.04, ge=0, description="Weight of the KL to the reference: in the loss for `grpo` (GRPO paper: 0.04), in the per-token reward for `online_ppo` "
+        0.04, ge=0, description="Weight of the KL to the reference: in the loss for `grpo` (GRPO paper: 0.04; in the reward with "
+        "rl.advantage_estimator reinforce_pp), in the per-token reward for `online_ppo` "
         "(see rl.kl_in_reward); the starting value when rl.target_kl is set. 0 (without target_kl) skips the reference model entirely."
     )
     kl_max_log_ratio: float | None = Field(10.0, gt=0, description="Clamp |log pi - log pi_ref| here before k3 (whose exp overflows past ~88); null: no clamp.")

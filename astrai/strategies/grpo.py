@@ -6,6 +6,14 @@ For the G responses o_1..o_G to one prompt, with rewards r_i:
     ratio  = pi(o_i,t) / pi_old(o_i,t)                  (pi_old: the behaviour log-probs, frozen at rollout)
     loss_t = max(-A_i ratio, -A_i clip(ratio, 1 - eps_low, 1 + eps_high)) + kl_coef * k3(pi, pi_ref)_t
 
+Other critic-free estimators (rl.advantage_estimator; docs/guides/rl.md):
+    rloo                   A_i = r_i - mean_{j != i} r_j                  (Ahmadian et al. 2024)
+    reinforce_pp_baseline  A_i,t = whiten_step(r_i - mean(r))            (Hu 2025; verl, OpenRLHF)
+    reinforce_pp           A_t = whiten_step(sum_{s >= t} gamma^(s-t) r_s), r_s = -kl_coef * k1_s (+ r_i on the
+                           last token): the KL moves from the loss into the reward; no group baseline
+whiten_step: mean and unbiased std over every response token of the step on all ranks.
+rl.importance_sampling: sequence replaces the token ratio by GSPO's sequence ratio (algos/ppo.py).
+
 Departures from the paper, and defaults:
 - Aggregation `token_mean` by default: the loss is summed over every response token of the optimizer
   step (all ranks, all micro-batches) and divided by their count once, as Dr. GRPO and DAPO argue:
