@@ -121,7 +121,10 @@ def masked_aggregate(
     """
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
-    counts = {"global": ("global_token_count", global_token_count), "global_sequence": ("global_sequence_count", global_sequence_count)}
+    counts = {
+        "global": ("global_token_count", global_token_count),
+        "global_sequence": ("global_sequence_count", global_sequence_count),
+    }
     for mode, (name, given) in counts.items():
         if mode != aggregation:
             if given is not None:

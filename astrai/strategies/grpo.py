@@ -90,7 +90,8 @@ class GrpoStrategy(OnlineStrategy):
         # reinforce_pp: -kl_coef * k_t on every token, the score on the last; returns whitened over the step.
         kl = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
         if reference is not None:
-            kl = kl_estimate(targets["behaviour_logprobs"], reference, settings.kl_kind(self.name), max_log_ratio=settings.kl_max_log_ratio)
+            kind = settings.kl_kind(self.name)
+            kl = kl_estimate(targets["behaviour_logprobs"], reference, kind, max_log_ratio=settings.kl_max_log_ratio)
             kl = torch.where(mask.bool(), kl, torch.zeros_like(kl))
             targets["reward_kl"] = kl  # for the `kl` metric
         token_rewards = kl_shaped_rewards(rewards.float(), kl, mask, settings.kl_coef)
@@ -120,7 +121,8 @@ class GrpoStrategy(OnlineStrategy):
             "log_ratio_clamp_frac": float(policy_loss.log_ratio_clamp_fraction) * tokens,
         }
         if "reference_logprobs" in batch:
-            kl = kl_estimate(logprobs, batch["reference_logprobs"], settings.kl_kind(self.name), max_log_ratio=settings.kl_max_log_ratio)
+            kind = settings.kl_kind(self.name)
+            kl = kl_estimate(logprobs, batch["reference_logprobs"], kind, max_log_ratio=settings.kl_max_log_ratio)
             loss = loss + settings.kl_coef * self._aggregate(kl, mask, normalizer)
             sums["kl"] = float(masked_sum(kl.detach(), mask))
         elif "reward_kl" in batch:

@@ -198,7 +198,8 @@ class PPOStrategy(OnlineStrategy):
         settings, mask = self.job.rl, batch["response_mask"]
         values = response_values(critic, batch)
         regression = value_loss(
-            values, batch["values"], batch["returns"], mask, clip_range=settings.value_clip, **self.aggregation(normalizer)
+            values, batch["values"], batch["returns"], mask, clip_range=settings.value_clip,
+            **self.aggregation(normalizer),
         )
         loss = regression.loss
         sums = {"value_loss": float(loss.detach()) * normalizer, "value_clip_frac": float(regression.clip_fraction) * float(mask.sum())}

@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from astrai.algos.advantages import (
-    AdaptiveKLController, FixedKLController, discounted_returns, gae, grpo_advantages, kl_shaped_rewards, rloo_advantages,
+    AdaptiveKLController,
+    FixedKLController,
+    discounted_returns,
+    gae,
+    grpo_advantages,
+    kl_shaped_rewards,
+    rloo_advantages,
 )
 
 
@@ -153,5 +159,5 @@ def test_discounted_returns_against_a_loop():
         returns = discounted_returns(rewards, mask, gamma=gamma)
         for row, length in enumerate(lengths):
             for t in range(6):
-                expected = sum(gamma ** (s - t) * rewards[row, s].item() for s in range(t, length)) if t < length else 0.0
+                expected = sum(gamma ** (s - t) * rewards[row, s].item() for s in range(t, length))  # 0 past the end
                 assert returns[row, t].item() == pytest.approx(expected, abs=1e-12)

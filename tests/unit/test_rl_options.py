@@ -33,8 +33,8 @@ CPU = types.SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
 
 def job(train_type: str = "grpo", **sections) -> JobConfig:
     raw = {
-        "output_dir": "/tmp/unused", "model": {"init": {"model_type": "llama"}}, "tokenizer": {"build": {"kind": "char"}},
-        "data": {"path": "unused.jsonl"},
+        "output_dir": "/tmp/unused", "model": {"init": {"model_type": "llama"}},
+        "tokenizer": {"build": {"kind": "char"}}, "data": {"path": "unused.jsonl"},
         "train": {"train_type": train_type, "max_steps": 3, "micro_batch_size": 2, "grad_accum_steps": 2},
         "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 5},
         "reward": {"function": "astrai.rollout.rewards:arithmetic_exact_match"},
@@ -75,8 +75,8 @@ def rollout_and_models(tokenizer):
     policy, reference = tiny_model(tokenizer, seed=0), tiny_model(tokenizer, seed=1)
     chats = [[{"role": "user", "content": text}] for text in ("1+2=", "30-4=")]
     prompts = [render_prompt(tokenizer, chat) for chat in chats]
-    result = generate_rollout(PlainEngine(policy), tokenizer, prompts, chats, [{}, {}], job().rollout, seed=3, policy_version=0,
-                              logprob_batch_size=2)
+    result = generate_rollout(PlainEngine(policy), tokenizer, prompts, chats, [{}, {}], job().rollout, seed=3,
+                              policy_version=0, logprob_batch_size=2)
     return result, policy, reference
 
 
@@ -93,13 +93,20 @@ def test_the_kl_estimator_defaults_by_placement():
 
 
 @pytest.mark.parametrize("train_type, rl, rollout, message", [
-    ("grpo", {"kl_estimator": "k1"}, {}, r"`rl\.kl_estimator: k1` as a loss term \(`rl\.advantage_estimator: grpo`\) has zero expected gradient"),
-    ("grpo", {"kl_estimator": "k1", "advantage_estimator": "rloo"}, {}, r"k1` as a loss term \(`rl\.advantage_estimator: rloo`\)"),
-    ("online_ppo", {"kl_estimator": "k1", "kl_in_reward": False}, {}, r"k1` as a loss term \(`rl\.kl_in_reward: false`\)"),
-    ("online_ppo", {"advantage_estimator": "rloo"}, {}, r"`rl\.advantage_estimator: rloo` is for `train\.train_type: grpo`"),
-    ("grpo", {"advantage_estimator": "rloo"}, {"group_size": 1}, r"`rollout\.group_size` must be >= 2 with `rl\.advantage_estimator: rloo`"),
-    ("grpo", {"advantage_estimator": "reinforce_pp_baseline"}, {"group_size": 1}, r"group_size` must be >= 2 with `rl\.advantage_estimator: reinforce_pp_baseline"),
-    ("grpo", {"advantage_estimator": "rloo", "normalize_advantage_std": True}, {}, r"`rl\.normalize_advantage_std` applies to `rl\.advantage_estimator: grpo` only"),
+    ("grpo", {"kl_estimator": "k1"}, {},
+     r"`rl\.kl_estimator: k1` as a loss term \(`rl\.advantage_estimator: grpo`\) has zero expected gradient"),
+    ("grpo", {"kl_estimator": "k1", "advantage_estimator": "rloo"}, {},
+     r"k1` as a loss term \(`rl\.advantage_estimator: rloo`\)"),
+    ("online_ppo", {"kl_estimator": "k1", "kl_in_reward": False}, {},
+     r"k1` as a loss term \(`rl\.kl_in_reward: false`\)"),
+    ("online_ppo", {"advantage_estimator": "rloo"}, {},
+     r"`rl\.advantage_estimator: rloo` is for `train\.train_type: grpo`"),
+    ("grpo", {"advantage_estimator": "rloo"}, {"group_size": 1},
+     r"`rollout\.group_size` must be >= 2 with `rl\.advantage_estimator: rloo`"),
+    ("grpo", {"advantage_estimator": "reinforce_pp_baseline"}, {"group_size": 1},
+     r"group_size` must be >= 2 with `rl\.advantage_estimator: reinforce_pp_baseline"),
+    ("grpo", {"advantage_estimator": "rloo", "normalize_advantage_std": True}, {},
+     r"`rl\.normalize_advantage_std` applies to `rl\.advantage_estimator: grpo` only"),
 ])
 def test_combinations_that_cannot_work_are_refused_naming_the_keys(train_type, rl, rollout, message):
     with pytest.raises(ValidationError, match=message):
@@ -107,7 +114,7 @@ def test_combinations_that_cannot_work_are_refused_naming_the_keys(train_type, r
 
 
 def test_combinations_that_work_are_accepted():
-    job(rl={"advantage_estimator": "reinforce_pp"}, rollout={"group_size": 1, "prompts_per_step": 8})  # no group baseline
+    job(rl={"advantage_estimator": "reinforce_pp"}, rollout={"group_size": 1, "prompts_per_step": 8})  # no baseline
     job(rl={"kl_estimator": "k1", "kl_coef": 0.0})  # no KL at all: nothing to refuse
     job(rl={"kl_estimator": "k2"})  # k2 as a loss term is exactly grad KL(pi || ref)
     job("online_ppo", rl={"importance_sampling": "sequence", "dual_clip_c": 3.0})
@@ -121,12 +128,14 @@ def test_a_refused_combination_stops_the_job_before_any_rank(monkeypatch):
     tiny = ["model.path=null", "model.init={model_type: llama}", "tokenizer.build={kind: char}"]
     with pytest.raises(ConfigError, match=r"rl\.kl_estimator: k1` as a loss term"):
         load_and_check("configs/quickstart_grpo.yaml", [*tiny, "rl.kl_estimator=k1"])
-    assert load_and_check("configs/quickstart_grpo.yaml", [*tiny, "rl.advantage_estimator=rloo"]).rl.advantage_estimator == "rloo"
+    accepted = load_and_check("configs/quickstart_grpo.yaml", [*tiny, "rl.advantage_estimator=rloo"])
+    assert accepted.rl.advantage_estimator == "rloo"
 
 
 def test_online_ppo_shapes_the_reward_with_k1_by_default(tokenizer, rollout_and_models):
     result, policy, reference = rollout_and_models
-    strategy = strategy_with(job("online_ppo", rl={"kl_coef": 0.1, "whiten_advantages": False}), tokenizer, policy, reference)
+    config = job("online_ppo", rl={"kl_coef": 0.1, "whiten_advantages": False})
+    strategy = strategy_with(config, tokenizer, policy, reference)
     strategy.frozen_targets(result := copy.copy(result))
     mask = result.response_mask.bool()
     ref = response_logprobs(reference, result.training_tensors(), temperature=1.0, batch_size=8)
@@ -167,7 +176,8 @@ def whiten_loop(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def test_reinforce_pp_baseline_targets_against_a_loop(tokenizer, rollout_and_models):
     """Group mean removed, broadcast to the response's tokens, whitened over every token of the step."""
     result, policy, _ = rollout_and_models
-    strategy = strategy_with(job(rl={"advantage_estimator": "reinforce_pp_baseline", "kl_coef": 0.0}), tokenizer, policy)
+    config = job(rl={"advantage_estimator": "reinforce_pp_baseline", "kl_coef": 0.0})
+    strategy = strategy_with(config, tokenizer, policy)
     targets = strategy.frozen_targets(copy.copy(result))
     rewards, mask = strategy_rewards(strategy, result).tolist(), targets["response_mask"]
     centred = torch.zeros(mask.shape, dtype=torch.float64)
@@ -238,15 +248,15 @@ def test_sequence_mean_with_empty_rows_matches_verl(tokenizer, rollout_and_model
 # ----------------------------------------------------------------------------- accumulation invariance
 
 
+AGGREGATIONS, SAMPLINGS = ["token_mean", "sequence_mean"], ["token", "sequence"]
+ESTIMATORS = ["grpo", "rloo", "reinforce_pp_baseline", "reinforce_pp"]
 OPTIONS = [
     {"loss_aggregation": aggregation, "importance_sampling": sampling, "advantage_estimator": estimator}
-    for aggregation, sampling, estimator in itertools.product(
-        ["token_mean", "sequence_mean"], ["token", "sequence"], ["grpo", "rloo", "reinforce_pp_baseline", "reinforce_pp"]
-    )
+    for aggregation, sampling, estimator in itertools.product(AGGREGATIONS, SAMPLINGS, ESTIMATORS)
 ]
 PPO_OPTIONS = [
     {"loss_aggregation": aggregation, "importance_sampling": sampling, "kl_in_reward": in_reward, "entropy_coef": 0.01}
-    for aggregation, sampling, in_reward in itertools.product(["token_mean", "sequence_mean"], ["token", "sequence"], [True, False])
+    for aggregation, sampling, in_reward in itertools.product(AGGREGATIONS, SAMPLINGS, [True, False])
 ]
 
 
@@ -256,7 +266,8 @@ def split_gradients(strategy, targets, model, critic=None) -> torch.Tensor:
     averages over ranks. Returns the summed gradient (of the critic when given, else of the policy)."""
     engine_model = critic if critic is not None else model
     engine_model.zero_grad()
-    pieces = [{key: value[rows] for key, value in targets.items()} for rows in (slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8))]
+    splits = (slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8))  # rank 0: micro-batches 0, 1; rank 1: 2, 3
+    pieces = [{key: value[rows] for key, value in targets.items()} for rows in splits]
     ranks, accumulation = 2, 2
     normalizer = sum(strategy.loss_weight(piece) for piece in pieces) / (ranks * accumulation)
     for piece in pieces:
@@ -286,7 +297,8 @@ def skewed(targets: dict) -> dict:
     mask[[2, 5]] = 0
     generator = torch.Generator().manual_seed(7)
     targets["response_mask"] = mask
-    targets["behaviour_logprobs"] = targets["behaviour_logprobs"] - 0.4 * torch.rand(mask.shape, generator=generator) * mask
+    shift = 0.4 * torch.rand(mask.shape, generator=generator) * mask
+    targets["behaviour_logprobs"] = targets["behaviour_logprobs"] - shift
     return targets
 
 
