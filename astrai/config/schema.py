@@ -236,7 +236,8 @@ class RlConfig(Section):
     )
     kl_max_log_ratio: float | None = Field(10.0, gt=0, description="Clamp |log pi - log pi_ref| here before k3 (whose exp overflows past ~88); null: no clamp.")
     normalize_advantage_std: bool = Field(
-        True, description="`grpo`: advantages (r - group mean) / (group std + 1e-6) as in GRPO; false: r - group mean only (Dr. GRPO)."
+        True, description="`grpo`: advantages (r - group mean) / (group std + 1e-6) as in GRPO; false: r - group mean only (Dr. GRPO). "
+        "Read by rl.advantage_estimator grpo only."
     )
     loss_aggregation: Literal["token_mean", "sequence_mean"] = Field(
         "token_mean", description="`token_mean`: every response token of the optimizer step weighs the same; `sequence_mean`: every response does (GRPO paper)."
@@ -402,11 +403,6 @@ class JobConfig(Section):
             raise ValueError(
                 f"`rl.advantage_estimator: {estimator}` is for `train.train_type: grpo`; online_ppo's advantages "
                 "are GAE with its critic"
-            )
-        if train_type == "grpo" and estimator != "grpo" and "normalize_advantage_std" in rl.model_fields_set:
-            raise ValueError(
-                f"`rl.normalize_advantage_std` applies to `rl.advantage_estimator: grpo` only, not {estimator} "
-                "(which never divides by the group std)"
             )
         kl_active = rl.kl_coef > 0 or rl.target_kl is not None
         if kl_active and rl.kl_placement(train_type) == "loss" and rl.kl_kind(train_type) == "k1":
