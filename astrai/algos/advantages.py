@@ -4,6 +4,12 @@
   or A_i = r_i - mean(group) with `normalize_std=False` (Liu et al. 2025, "Dr. GRPO": dividing by the
   std favours groups that are almost all right or all wrong). std is the unbiased (n - 1) one, as in
   TRL and OpenRLHF.
+- `rloo_advantages`: A_i = r_i - mean_{j != i} r_j, the leave-one-out baseline (Kool et al. 2019;
+  Ahmadian et al. 2024), = G / (G - 1) (r_i - mean(group)).
+- `discounted_returns`: G_t = r_t + gamma G_{t+1} over the response tokens (REINFORCE++, Hu 2025: the
+  token rewards hold -kl_coef * k1 on every token and the score on the last one).
+  REINFORCE++-baseline's advantage is `grpo_advantages(..., normalize_std=False)` whitened over the step;
+  the whitening across ranks is the strategy's (it needs a collective).
 - `gae` (public name `compute_gae`): generalised advantage estimation (Schulman et al. 2016) over the response tokens, with
   the episode ending after the last valid token (terminal: the value there is 0).
 - `kl_shaped_rewards`: the per-token reward of RLHF PPO (Ziegler et al. 2019; Ouyang et al. 2022):
@@ -38,6 +44,33 @@ def grpo_advantages(
     if normalize_std:
         centred = centred / (grouped.std(dim=1, keepdim=True, unbiased=True) + eps)
     return centred.reshape(-1)
+
+
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Leave-one-out advantages: A_i = r_i - (sum_j r_j - r_i) / (G - 1) within each group.
+
+    rewards: [num_prompts * group_size], groups contiguous as in `grpo_advantages`. Returns the same
+    shape. No std division (RLOO has none); a group of equal rewards gets 0.
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [num_prompts * group_size], got shape {tuple(rewards.shape)}")
+    if group_size < 2:
+        raise ValueError(f"group_size must be >= 2 (leave-one-out needs another response), got {group_size}")
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    grouped = rewards.reshape(-1, group_size)
+    others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
+    return (grouped - others_mean).reshape(-1)
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, *, gamma: float = 1.0) -> torch.Tensor:
+    """G_t = r_t + gamma * G_{t+1} over valid tokens, G = 0 after the last one; [batch, response_len].
+
+    rewards, mask: [batch, response_len], mask a prefix of each row (right padding); no gradient.
+    This is `gae` with values 0 and lambda 1 (then A_t = G_t), written so.
+    """
+    advantages, _ = gae(rewards, torch.zeros_like(rewards), mask, gamma=gamma, lam=1.0)
+    return advantages
 
 
 def gae(

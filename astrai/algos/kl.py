@@ -8,8 +8,20 @@ With log_ratio = logp - ref_logp at a token x ~ pi (Schulman, "Approximating KL 
        = (r - 1) - log r  with r = ref(x) / pi(x)
 
 E_{x~pi}[k1] = E_{x~pi}[k3] = KL(pi || ref) exactly; k2 is a second-order approximation.
-As a loss term (GRPO puts beta * k3 in the loss), the gradients of these estimators are not
-unbiased gradients of the KL; that is the usual practice and is kept as is.
+
+What matters for training is the gradient, and that depends on where the estimate goes
+(tests/unit/test_algos_kl_gradients.py checks each line exactly over a small categorical):
+
+  placement                      gradient reaching pi, in expectation over x ~ pi
+  in the reward (frozen, score   k1: grad KL(pi || ref)                        exact
+  function: E[k(x) grad log pi]) k2: second order in (pi - ref): ~0 near ref   no KL's gradient
+                                 k3: grad [KL(pi || ref) - KL(ref || pi)]      ~0 near ref: wrong
+  in the loss (pathwise:         k1: 0                                         useless
+  E[grad k(x)])                  k2: grad KL(pi || ref)                        exact
+                                 k3: grad KL(ref || pi)                        = grad KL(pi || ref) to first order
+
+Hence: k1 in the reward (InstructGPT, TRL, OpenRLHF, verl's defaults), k3 (GRPO's choice) or k2
+in the loss; the strategies refuse k1 as a loss term.
 
 Clamping (our addition, off by default): `max_log_ratio=c` clamps log_ratio to [-c, c] before
 the estimator. k3 holds exp(-log_ratio), which overflows float32 past |log_ratio| ~ 88 and

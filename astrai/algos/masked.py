@@ -16,7 +16,7 @@ valid with `unbiased=True` (TRL raises); `masked_whiten` writes 0 at padded posi
 import torch
 
 WHITEN_EPS = 1e-8
-AGGREGATIONS = ("token_mean", "sequence_mean", "global")
+AGGREGATIONS = ("token_mean", "sequence_mean", "global", "global_sequence")
 
 
 def _valid(mask: torch.Tensor) -> torch.Tensor:
@@ -42,6 +42,11 @@ def masked_count(mask: torch.Tensor, dim: int | None = None, dtype: torch.dtype 
     """Number of valid entries (as `dtype`), over everything or along `dim`."""
     valid = _valid(mask).to(dtype)
     return valid.sum() if dim is None else valid.sum(dim=dim)
+
+
+def rows_with_tokens(mask: torch.Tensor) -> torch.Tensor:
+    """[batch] bool: which rows of a [batch, seq_len] mask have at least one valid token."""
+    return _valid(mask).any(dim=-1)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -93,33 +98,48 @@ def masked_aggregate(
     mask: torch.Tensor,
     aggregation: str = "token_mean",
     global_token_count: torch.Tensor | float | int | None = None,
+    *,
+    global_sequence_count: torch.Tensor | float | int | None = None,
 ) -> torch.Tensor:
     """Reduce a per-token loss `values` [batch, seq_len] to a scalar.
 
     aggregation:
-      "token_mean":    sum_{b,t} mask*values / sum_{b,t} mask  (every valid token of this batch weighs the same)
-      "sequence_mean": mean over sequences with >= 1 valid token of (sum_t mask*values / sum_t mask)
-                       (every sequence weighs the same, whatever its length)
-      "global":        sum_{b,t} mask*values / global_token_count
+      "token_mean":      sum_{b,t} mask*values / sum_{b,t} mask  (every valid token of this batch weighs the same)
+      "sequence_mean":   mean over sequences with >= 1 valid token of (sum_t mask*values / sum_t mask)
+                         (every sequence weighs the same, whatever its length)
+      "global":          sum_{b,t} mask*values / global_token_count
+      "global_sequence": sum over sequences with >= 1 valid token of (sum_t mask*values / sum_t mask)
+                         / global_sequence_count (verl's seq-mean-token-mean with a global batch size)
     `global_token_count` is the number of valid tokens across ALL ranks and micro-batches of one
-    optimizer step (a number or an all-reduced tensor). Dividing every micro-batch's sum by that
-    one number makes the gradients summed over micro-batches and ranks equal the gradient of the
-    "token_mean" loss of the whole step's batch, whatever the split. The caller must undo any
-    averaging its engine does (DeepSpeed divides by gradient_accumulation_steps and averages over
-    the data-parallel ranks: multiply the loss by both to get a plain sum).
+    optimizer step (a number or an all-reduced tensor); `global_sequence_count` the number of
+    sequences with >= 1 valid token across them (`rows_with_tokens`): a row without tokens has no
+    mean and counts nowhere. Dividing every micro-batch's sum by that one number makes the gradients
+    summed over micro-batches and ranks equal the gradient of the "token_mean" ("sequence_mean")
+    loss of the whole step's batch, whatever the split. The caller must undo any averaging its
+    engine does (DeepSpeed divides by gradient_accumulation_steps and averages over the
+    data-parallel ranks: multiply the loss by both to get a plain sum).
     """
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    counts = {
+        "global": ("global_token_count", global_token_count),
+        "global_sequence": ("global_sequence_count", global_sequence_count),
+    }
+    for mode, (name, given) in counts.items():
+        if mode != aggregation:
+            if given is not None:
+                raise ValueError(f"{name} is only used with aggregation {mode!r}, not {aggregation!r}")
+        elif given is None:
+            raise ValueError(f"aggregation {mode!r} needs {name} (valid units in the whole step)")
+        elif not isinstance(given, torch.Tensor) and given <= 0:
+            raise ValueError(f"{name} must be > 0, got {given}")
+    count = counts.get(aggregation, (None, None))[1]
     if aggregation == "global":
-        if global_token_count is None:
-            raise ValueError('aggregation "global" needs global_token_count (valid tokens in the whole step)')
-        if not isinstance(global_token_count, torch.Tensor) and global_token_count <= 0:
-            raise ValueError(f"global_token_count must be > 0, got {global_token_count}")
-        return masked_sum(values, mask) / global_token_count
-    if global_token_count is not None:
-        raise ValueError(f'global_token_count is only used with aggregation "global", not {aggregation!r}')
+        return masked_sum(values, mask) / count
     if aggregation == "token_mean":
         return masked_mean(values, mask)
-    per_sequence = masked_mean(values, mask, dim=-1)
-    has_tokens = masked_count(torch.broadcast_to(_valid(mask), values.shape), dim=-1) > 0
+    per_sequence = masked_mean(values, mask, dim=-1)  # 0 for a row without tokens
+    has_tokens = rows_with_tokens(torch.broadcast_to(_valid(mask), values.shape))
+    if aggregation == "global_sequence":
+        return masked_sum(per_sequence, has_tokens) / count
     return masked_mean(per_sequence, has_tokens)

@@ -9,6 +9,16 @@ Departures from the paper, all opt-in:
   low-probability tokens with positive advantage can still grow. Defaults to `clip_eps`.
 - `dual_clip` (Ye et al. 2020): for A < 0 the loss is further capped at -A * dual_clip (> 1), so a
   huge ratio on a bad token cannot produce an unbounded update.
+- `max_log_ratio` (on by default, 20 as verl): log(pi / pi_old) is clamped to [-c, c] before exp. In
+  float32 a log-ratio past ~88 makes the ratio inf and the gradient NaN even where the loss is finite
+  (inf * 0 in the clip's backward); a clamped token has zero gradient and is counted in
+  `log_ratio_clamp_fraction`.
+- `importance_sampling="sequence"` (GSPO, Zheng et al. 2025, eqs. 5-7 and 13): one ratio per sequence,
+  s_i = exp(mean_t log(pi / pi_old)) (the length-normalised log-ratio), clipped per sequence; written
+  token-wise as s_i,t = sg[s_i] * pi_t / sg[pi_t] (GSPO-token), whose value is s_i and whose gradient
+  is s_i * grad log pi_t, so that a per-sequence mean over tokens gives GSPO's gradient
+  s_i A_i (1/|y_i|) sum_t grad log pi_t exactly (as verl's `compute_policy_loss_gspo`). Token
+  advantages that vary along a sequence (GAE) are allowed: that is GSPO-token's extension.
 - `aggregation` chooses how token losses become one number (see `masked.masked_aggregate`); the
   paper's expectation over timesteps is "token_mean". GRPO (Shao et al. 2024) uses
   "sequence_mean"; Dr. GRPO and DAPO argue for token-level means ("token_mean" / "global").
@@ -36,6 +46,7 @@ class PolicyLossOutput(NamedTuple):
     clip_fraction: torch.Tensor  # fraction of valid tokens whose loss comes from a clipped branch
     approx_kl: torch.Tensor  # token mean of (ratio - 1) - log(ratio): k3 estimate of KL(old || new)
     ratio_mean: torch.Tensor  # token mean of the ratio
+    log_ratio_clamp_fraction: torch.Tensor  # fraction of valid tokens whose log-ratio hit +-max_log_ratio
 
 
 class ValueLossOutput(NamedTuple):
@@ -46,6 +57,9 @@ class ValueLossOutput(NamedTuple):
 
 def _zero_padding(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(valid, values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+IMPORTANCE_SAMPLING = ("token", "sequence")
 
 
 def ppo_policy_loss(
@@ -59,34 +73,38 @@ def ppo_policy_loss(
     dual_clip: float | None = None,
     aggregation: str = "token_mean",
     global_token_count: torch.Tensor | float | int | None = None,
+    global_sequence_count: torch.Tensor | float | int | None = None,
+    max_log_ratio: float | None = 20.0,
+    importance_sampling: str = "token",
 ) -> PolicyLossOutput:
     """Clipped surrogate policy loss; formula in the module docstring.
 
     logp: [batch, response_len] log-probs of the sampled tokens under the policy being trained;
     logp_old: the same under the policy that sampled them (no gradient); advantages, mask:
     [batch, response_len]. clip_eps in (0, 1); clip_eps_high > 0 (defaults to clip_eps);
-    dual_clip > 1 or None.
-    aggregation "token_mean" | "sequence_mean" | "global": with "global" the masked sum is divided
-    by `global_token_count`, the number of valid tokens across all ranks and micro-batches of the
-    optimizer step, so that gradient accumulation and data parallelism give the same gradient as
-    one big batch (the caller undoes its engine's averaging; see `masked.masked_aggregate`).
+    dual_clip > 1 or None; max_log_ratio > 0 or None (no clamp).
+    importance_sampling "token" (PPO) | "sequence" (GSPO: one length-normalised ratio per row).
+    aggregation "token_mean" | "sequence_mean" | "global" | "global_sequence": with "global" the
+    masked sum is divided by `global_token_count`, the number of valid tokens across all ranks and
+    micro-batches of the optimizer step, with "global_sequence" the sum of per-row token means by
+    `global_sequence_count` (rows with a token), so that gradient accumulation and data parallelism
+    give the same gradient as one big batch (see `masked.masked_aggregate`).
     """
-    if not 0.0 < clip_eps < 1.0:
-        raise ValueError(f"clip_eps must be in (0, 1), got {clip_eps}")
+    _check_policy_arguments(clip_eps, clip_eps_high, dual_clip, max_log_ratio, importance_sampling)
     if clip_eps_high is None:
         clip_eps_high = clip_eps
-    if not clip_eps_high > 0.0:
-        raise ValueError(f"clip_eps_high must be > 0, got {clip_eps_high}")
-    if dual_clip is not None and not dual_clip > 1.0:
-        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
     if not (logp.shape == logp_old.shape == advantages.shape == mask.shape):
         raise ValueError(
             f"logp, logp_old, advantages, mask must share one shape, got {tuple(logp.shape)}, "
             f"{tuple(logp_old.shape)}, {tuple(advantages.shape)}, {tuple(mask.shape)}"
         )
     valid = mask.bool()
-    log_ratio = _zero_padding(logp - logp_old.detach(), valid)
+    token_log_ratio = _zero_padding(logp - logp_old.detach(), valid)
     advantages = _zero_padding(advantages.detach(), valid)
+    if importance_sampling == "sequence":
+        log_ratio, clamped = _sequence_log_ratio(logp, token_log_ratio, valid, max_log_ratio)
+    else:
+        log_ratio, clamped = _clamped(token_log_ratio, max_log_ratio)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps_high)
@@ -98,12 +116,52 @@ def ppo_policy_loss(
         losses = torch.where(dual_active, dual_bound, losses)
         from_clipped_branch = from_clipped_branch | dual_active
 
-    loss = masked_aggregate(losses, valid, aggregation, global_token_count)
+    loss = masked_aggregate(losses, valid, aggregation, global_token_count, global_sequence_count=global_sequence_count)
     with torch.no_grad():
         clip_fraction = masked_mean(from_clipped_branch.float(), valid)
-        approx_kl = masked_mean(ratio - 1.0 - log_ratio, valid)
+        token_ratio = torch.exp(token_log_ratio.clamp(max=_EXP_SAFE))
+        approx_kl = masked_mean(token_ratio - 1.0 - token_log_ratio, valid)
         ratio_mean = masked_mean(ratio, valid)
-    return PolicyLossOutput(loss, clip_fraction, approx_kl, ratio_mean)
+        clamp_fraction = masked_mean(clamped.float(), valid)
+    return PolicyLossOutput(loss, clip_fraction, approx_kl, ratio_mean, clamp_fraction)
+
+
+_EXP_SAFE = 80.0  # exp(80) ~ 5.5e34 is finite in float32: the diagnostics never turn inf
+
+
+def _check_policy_arguments(clip_eps, clip_eps_high, dual_clip, max_log_ratio, importance_sampling) -> None:
+    if not 0.0 < clip_eps < 1.0:
+        raise ValueError(f"clip_eps must be in (0, 1), got {clip_eps}")
+    if clip_eps_high is not None and not clip_eps_high > 0.0:
+        raise ValueError(f"clip_eps_high must be > 0, got {clip_eps_high}")
+    if dual_clip is not None and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    if max_log_ratio is not None and not max_log_ratio > 0.0:
+        raise ValueError(f"max_log_ratio must be > 0, got {max_log_ratio}")
+    if importance_sampling not in IMPORTANCE_SAMPLING:
+        raise ValueError(f"importance_sampling must be one of {IMPORTANCE_SAMPLING}, got {importance_sampling!r}")
+
+
+def _clamped(log_ratio: torch.Tensor, max_log_ratio: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log_ratio clamped to [-c, c], where the clamp binds); clamp's gradient is 0 where it binds."""
+    if max_log_ratio is None:
+        return log_ratio, torch.zeros_like(log_ratio, dtype=torch.bool)
+    return log_ratio.clamp(-max_log_ratio, max_log_ratio), log_ratio.detach().abs() > max_log_ratio
+
+
+def _sequence_log_ratio(
+    logp: torch.Tensor, token_log_ratio: torch.Tensor, valid: torch.Tensor, max_log_ratio: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO-token's log s_i,t = sg[mean_t log(pi / pi_old)] + log pi_t - sg[log pi_t], [batch, response_len].
+
+    Where the sequence's mean log-ratio passes +-max_log_ratio the clamped value is used, without
+    gradient, for every token of that sequence (marked in the second tensor, [batch, response_len])."""
+    sequence_log_ratio = masked_mean(token_log_ratio.detach(), valid, dim=-1)  # [batch]; 0 for an empty row
+    clamped_sequence, binding = _clamped(sequence_log_ratio, max_log_ratio)
+    logp = _zero_padding(logp, valid)
+    pathwise = logp - logp.detach() + sequence_log_ratio.unsqueeze(1)
+    log_ratio = torch.where(binding.unsqueeze(1), clamped_sequence.unsqueeze(1).expand_as(logp), pathwise)
+    return _zero_padding(log_ratio, valid), binding.unsqueeze(1) & valid
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -130,12 +188,13 @@ def value_loss(
     clip_range: float | None = None,
     aggregation: str = "token_mean",
     global_token_count: torch.Tensor | float | int | None = None,
+    global_sequence_count: torch.Tensor | float | int | None = None,
 ) -> ValueLossOutput:
     """Clipped critic loss; formula in the module docstring (without `clip_range`: 0.5 * (V - R)^2).
 
     values: [batch, response_len] critic outputs being trained; old_values: the critic's outputs at
     rollout time; returns: the targets (e.g. from `advantages.gae`); mask: [batch, response_len].
-    aggregation and global_token_count: as in `ppo_policy_loss`.
+    aggregation, global_token_count and global_sequence_count: as in `ppo_policy_loss`.
     explained_variance is measured on `values` (the critic as it is now).
     """
     if clip_range is not None and not clip_range > 0:
@@ -159,7 +218,7 @@ def value_loss(
         losses = 0.5 * torch.maximum(squared_error, clipped_squared_error)
         with torch.no_grad():
             clip_fraction = masked_mean((clipped_squared_error > squared_error).float(), valid)
-    loss = masked_aggregate(losses, valid, aggregation, global_token_count)
+    loss = masked_aggregate(losses, valid, aggregation, global_token_count, global_sequence_count=global_sequence_count)
     return ValueLossOutput(loss, clip_fraction, explained_variance(values.detach(), returns, valid))
 
 

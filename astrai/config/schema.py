@@ -306,12 +306,14 @@ class RlConfig(Section):
     clip_eps_high: float | None = Field(None, gt=0, description="The ratio's upper bound is 1 + clip_eps_high (DAPO's clip-higher uses 0.28; null: clip_eps_low).")
     dual_clip_c: float | None = Field(None, gt=1, description="`online_ppo`: dual-clip (Ye et al. 2020) caps a negative-advantage token's loss at -A x c (e.g. 3; null: off).")
     kl_coef: float = Field(
-        0.04, ge=0, description="Weight of the KL to the reference: in the loss for `grpo` (GRPO paper: 0.04), in the per-token reward for `online_ppo` "
+        0.04, ge=0, description="Weight of the KL to the reference: in the loss for `grpo` (GRPO paper: 0.04; "
+        "in the reward with rl.advantage_estimator reinforce_pp), in the per-token reward for `online_ppo` "
         "(see rl.kl_in_reward); the starting value when rl.target_kl is set. 0 (without target_kl) skips the reference model entirely."
     )
     kl_max_log_ratio: float | None = Field(10.0, gt=0, description="Clamp |log pi - log pi_ref| here before k3 (whose exp overflows past ~88); null: no clamp.")
     normalize_advantage_std: bool = Field(
-        True, description="`grpo`: advantages (r - group mean) / (group std + 1e-6) as in GRPO; false: r - group mean only (Dr. GRPO)."
+        True, description="`grpo`: advantages (r - group mean) / (group std + 1e-6) as in GRPO; false: r - group mean only (Dr. GRPO). "
+        "Read by rl.advantage_estimator grpo only."
     )
     loss_aggregation: Literal["token_mean", "sequence_mean"] = Field(
         "token_mean", description="`token_mean`: every response token of the optimizer step weighs the same; `sequence_mean`: every response does (GRPO paper)."
@@ -327,7 +329,12 @@ class RlConfig(Section):
     kl_in_reward: bool = Field(
         True, description="`online_ppo`: -kl_coef x KL(behaviour, reference) in every token's reward (Ziegler et al.); false: kl_coef x k3 in the loss, as `grpo`."
     )
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="`online_ppo`: per-token KL estimator in the shaped reward (Schulman's k1, k2, k3).")
+    kl_estimator: Literal["k1", "k2", "k3"] | None = Field(
+        None, description="Per-token KL estimator (Schulman's k1, k2, k3). null: k1 where the KL is in the reward "
+        "(`online_ppo` with rl.kl_in_reward, `reinforce_pp`), k3 where it is a loss term (`grpo`, rl.kl_in_reward: "
+        "false). k1 as a loss term has zero expected gradient and is refused (docs/guides/rl.md, \"Which KL "
+        "estimator where\")."
+    )
     target_kl: float | None = Field(
         None, gt=0, description="`online_ppo`: adaptive KL coefficient (Ziegler et al. 2019) steering the KL, in nats per response, to this value (null: fixed kl_coef)."
     )
@@ -337,6 +344,33 @@ class RlConfig(Section):
         "none", description="`online_ppo`: `batch` standardises the sequence rewards over all responses of the step (all ranks) before shaping."
     )
     entropy_coef: float = Field(0.0, ge=0, description="`online_ppo`: entropy bonus, minus entropy_coef x the token-mean entropy in the policy loss.")
+    max_log_ratio: float = Field(
+        20.0, gt=0, description="Clamp log(pi / pi_old) to [-max_log_ratio, max_log_ratio] before exp in the policy "
+        "loss (past ~88 the float32 ratio is inf and the gradient NaN); clamped tokens get no gradient and are "
+        "counted in the `log_ratio_clamp_frac` metric."
+    )
+    advantage_estimator: Literal["grpo", "rloo", "reinforce_pp_baseline", "reinforce_pp"] = Field(
+        "grpo", description="`grpo` train type: `grpo` (group mean and std), `rloo` (leave-one-out group mean), "
+        "`reinforce_pp_baseline` (group mean removed, then whitened over the step's tokens), `reinforce_pp` (k1 KL in "
+        "every token's reward, returns whitened over the step's tokens, no group baseline)."
+    )
+    importance_sampling: Literal["token", "sequence"] = Field(
+        "token", description="Policy-loss ratio: `token` (PPO, one per token) or `sequence` (GSPO: exp of the "
+        "sequence's mean log-ratio, clipped per sequence; GSPO's paper pairs it with loss_aggregation sequence_mean "
+        "and clip ranges of ~3e-4 / 4e-4)."
+    )
+
+    def kl_placement(self, train_type: str) -> str:
+        """Where the KL to the reference goes for this train type: "reward" or "loss"."""
+        if train_type == "online_ppo":
+            return "reward" if self.kl_in_reward else "loss"
+        return "reward" if self.advantage_estimator == "reinforce_pp" else "loss"
+
+    def kl_kind(self, train_type: str) -> str:
+        """rl.kl_estimator, or its default where it is null: k1 in the reward, k3 as a loss term."""
+        if self.kl_estimator is not None:
+            return self.kl_estimator
+        return "k1" if self.kl_placement(train_type) == "reward" else "k3"
 
     @model_validator(mode="after")
     def _clip_alias(self) -> "RlConfig":
@@ -433,8 +467,12 @@ class JobConfig(Section):
             raise ValueError(f"`train.train_type: {self.train.train_type}` needs a `reward` section (function, model_path, url or components)")
         if self.train.max_steps is None:
             raise ValueError("online train types count steps in rollouts: give `train.max_steps` (not `train.epochs`)")
-        if self.train.train_type == "grpo" and self.rollout.group_size < 2:
-            raise ValueError("grpo compares each response with the others of its group: `rollout.group_size` must be >= 2")
+        estimator = self.rl.advantage_estimator
+        if self.train.train_type == "grpo" and estimator != "reinforce_pp" and self.rollout.group_size < 2:
+            raise ValueError(
+                f"grpo compares each response with the others of its group: `rollout.group_size` must be >= 2 "
+                f"with `rl.advantage_estimator: {estimator}` (only reinforce_pp has no group baseline)"
+            )
         if self.train.train_type == "online_ppo" and self.critic.warmup_rollouts >= self.train.max_steps:
             raise ValueError(f"`critic.warmup_rollouts` ({self.critic.warmup_rollouts}) leaves no step of `train.max_steps` ({self.train.max_steps}) to train the policy")
         return self
@@ -445,6 +483,30 @@ class JobConfig(Section):
         if not value.strip():
             raise ValueError("must name a folder (an empty output_dir would write into the current directory)")
         return value
+
+    @model_validator(mode="after")
+    def _rl_combinations(self) -> "JobConfig":
+        """RL options that cannot work together, named before any rank starts (docs/guides/rl.md)."""
+        train_type, rl = self.train.train_type, self.rl
+        if train_type not in ("grpo", "online_ppo"):
+            return self
+        estimator = rl.advantage_estimator
+        if train_type == "online_ppo" and estimator != "grpo":
+            raise ValueError(
+                f"`rl.advantage_estimator: {estimator}` is for `train.train_type: grpo`; online_ppo's advantages "
+                "are GAE with its critic"
+            )
+        kl_active = rl.kl_coef > 0 or rl.target_kl is not None
+        if kl_active and rl.kl_placement(train_type) == "loss" and rl.kl_kind(train_type) == "k1":
+            where = f"`rl.advantage_estimator: {estimator}`"
+            if train_type == "online_ppo":
+                where = "`rl.kl_in_reward: false`"
+            raise ValueError(
+                f"`rl.kl_estimator: k1` as a loss term ({where}) has zero expected gradient: use k3 or k2 there, "
+                "or put the KL in the reward (online_ppo: rl.kl_in_reward: true; grpo: rl.advantage_estimator: "
+                "reinforce_pp)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _export_destination(self) -> "JobConfig":

@@ -6,6 +6,14 @@ For the G responses o_1..o_G to one prompt, with rewards r_i:
     ratio  = pi(o_i,t) / pi_old(o_i,t)                  (pi_old: the behaviour log-probs, frozen at rollout)
     loss_t = max(-A_i ratio, -A_i clip(ratio, 1 - eps_low, 1 + eps_high)) + kl_coef * k3(pi, pi_ref)_t
 
+Other critic-free estimators (rl.advantage_estimator; docs/guides/rl.md):
+    rloo                   A_i = r_i - mean_{j != i} r_j                  (Ahmadian et al. 2024)
+    reinforce_pp_baseline  A_i,t = whiten_step(r_i - mean(r))            (Hu 2025; verl, OpenRLHF)
+    reinforce_pp           A_t = whiten_step(sum_{s >= t} gamma^(s-t) r_s), r_s = -kl_coef * k1_s (+ r_i on the
+                           last token): the KL moves from the loss into the reward; no group baseline
+whiten_step: mean and unbiased std over every response token of the step on all ranks.
+rl.importance_sampling: sequence replaces the token ratio by GSPO's sequence ratio (algos/ppo.py).
+
 Departures from the paper, and defaults:
 - Aggregation `token_mean` by default: the loss is summed over every response token of the optimizer
   step (all ranks, all micro-batches) and divided by their count once, as Dr. GRPO and DAPO argue:
@@ -24,14 +32,15 @@ from __future__ import annotations
 
 import torch
 
-from astrai.algos.advantages import grpo_advantages
-from astrai.algos.kl import kl_k3
+from astrai.algos.advantages import discounted_returns, grpo_advantages, kl_shaped_rewards, rloo_advantages
+from astrai.algos.kl import kl_estimate
 from astrai.algos.masked import masked_sum
 from astrai.algos.ppo import broadcast_sequence_advantages, entropy_from_logits, ppo_policy_loss
 from astrai.rollout import RolloutResult, response_logprobs
 from astrai.rollout.sequences import masked_token_logprobs, response_forward
 from astrai.strategies.base import StepOutput, register
 from astrai.strategies.online import OnlineStrategy
+from astrai.strategies.ppo import global_standardize
 
 
 @register
@@ -44,43 +53,83 @@ class GrpoStrategy(OnlineStrategy):
             self.build_reference(run)
 
     def needs_behaviour_logprobs(self) -> bool:
+        if self.kl_in_reward() and self.job.rl.kl_coef > 0:
+            return True  # reinforce_pp's KL-shaped rewards read them before the first update
         return self.geometry.updates_per_epoch * self.job.rl.epochs_per_rollout > 1
 
+    def kl_in_reward(self) -> bool:
+        return self.job.rl.kl_placement(self.name) == "reward"
+
     def frozen_targets(self, rollout: RolloutResult) -> dict[str, torch.Tensor]:
-        """Rewards, advantages [N] and reference log-probs [N, R], plus the rollout's sequences and
-        behaviour log-probs: everything the loss reads, fixed for all replay epochs of the step."""
+        """Rewards, advantages ([N], or [N, R] for the reinforce_pp estimators) and, with the KL as a loss
+        term, reference log-probs [N, R], plus the rollout's sequences and behaviour log-probs: everything
+        the loss reads, fixed for all replay epochs of the step."""
         self.score(rollout)
         targets = rollout.training_tensors()
-        targets["advantages"] = grpo_advantages(rollout.rewards, rollout.group_size, normalize_std=self.job.rl.normalize_advantage_std)
+        reference = None
         if self.reference is not None:
-            targets["reference_logprobs"] = response_logprobs(
+            reference = response_logprobs(
                 self.reference, targets, temperature=self.job.rollout.temperature, batch_size=self.geometry.micro_batch_size,
                 vocab_size=len(self.tokenizer),
             )
+            if not self.kl_in_reward():
+                targets["reference_logprobs"] = reference
+        targets["advantages"] = self.advantages(rollout, targets, reference)
         return targets
 
+    def advantages(self, rollout: RolloutResult, targets: dict, reference: torch.Tensor | None) -> torch.Tensor:
+        """rl.advantage_estimator's advantages of the rollout's responses (docs/guides/rl.md)."""
+        settings, rewards, group_size = self.job.rl, rollout.rewards, rollout.group_size
+        mask = targets["response_mask"]
+        if settings.advantage_estimator == "grpo":
+            return grpo_advantages(rewards, group_size, normalize_std=settings.normalize_advantage_std)
+        if settings.advantage_estimator == "rloo":
+            return rloo_advantages(rewards, group_size)
+        if settings.advantage_estimator == "reinforce_pp_baseline":
+            centred = grpo_advantages(rewards, group_size, normalize_std=False)
+            return global_standardize(broadcast_sequence_advantages(centred, mask), mask, self.dist.device)
+        # reinforce_pp: -kl_coef * k_t on every token, the score on the last; returns whitened over the step.
+        kl = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        if reference is not None:
+            kind = settings.kl_kind(self.name)
+            kl = kl_estimate(targets["behaviour_logprobs"], reference, kind, max_log_ratio=settings.kl_max_log_ratio)
+            kl = torch.where(mask.bool(), kl, torch.zeros_like(kl))
+            targets["reward_kl"] = kl  # for the `kl` metric
+        token_rewards = kl_shaped_rewards(rewards.float(), kl, mask, settings.kl_coef)
+        returns = discounted_returns(token_rewards, mask, gamma=settings.gamma)
+        return global_standardize(returns, mask, self.dist.device)
+
     def compute_loss(self, policy, batch: dict, normalizer: float) -> StepOutput:
-        """Clipped surrogate + kl_coef * k3, over response tokens [B, R]; `normalizer` = the optimizer
-        step's global loss units / (ranks x accumulation), so DeepSpeed's averaging yields their mean."""
+        """Clipped surrogate (+ kl_coef * KL estimate as a loss term), over response tokens [B, R];
+        `normalizer` = the optimizer step's global loss units / (ranks x accumulation), so DeepSpeed's
+        averaging yields their mean."""
         settings, mask = self.job.rl, batch["response_mask"]
         options = self.router_options(policy)  # a mixture of experts returns its load-balancing loss
         temperature, vocab_size = self.job.rollout.temperature, len(self.tokenizer)
         logits, output = response_forward(policy, batch, temperature, vocab_size, **options)  # [B, R, vocab]
         logprobs = masked_token_logprobs(logits, batch["response_ids"], mask)
-        token_advantages = broadcast_sequence_advantages(batch["advantages"], mask)
-        token_mean = settings.loss_aggregation == "token_mean"
+        advantages = batch["advantages"]
+        if advantages.dim() == 1:
+            advantages = broadcast_sequence_advantages(advantages, mask)
         behaviour = batch.get("behaviour_logprobs")  # None: one update per rollout, the weights that sampled
         policy_loss = ppo_policy_loss(
-            logprobs, logprobs.detach() if behaviour is None else behaviour, token_advantages, mask, clip_eps=settings.clip_eps_low, clip_eps_high=settings.clip_eps_high,
-            aggregation="global" if token_mean else "sequence_mean", global_token_count=normalizer if token_mean else None,
+            logprobs, logprobs.detach() if behaviour is None else behaviour, advantages, mask,
+            clip_eps=settings.clip_eps_low, clip_eps_high=settings.clip_eps_high, max_log_ratio=settings.max_log_ratio,
+            importance_sampling=settings.importance_sampling, **self.aggregation(normalizer),
         )
-        loss = policy_loss.loss if token_mean else policy_loss.loss * mask.shape[0] / normalizer
+        loss = policy_loss.loss
         tokens = float(mask.sum())
-        sums = {"clip_frac": float(policy_loss.clip_fraction) * tokens}
-        if self.reference is not None:
-            kl = kl_k3(logprobs, batch["reference_logprobs"], max_log_ratio=settings.kl_max_log_ratio)
+        sums = {
+            "clip_frac": float(policy_loss.clip_fraction) * tokens,
+            "log_ratio_clamp_frac": float(policy_loss.log_ratio_clamp_fraction) * tokens,
+        }
+        if "reference_logprobs" in batch:
+            kind = settings.kl_kind(self.name)
+            kl = kl_estimate(logprobs, batch["reference_logprobs"], kind, max_log_ratio=settings.kl_max_log_ratio)
             loss = loss + settings.kl_coef * self._aggregate(kl, mask, normalizer)
             sums["kl"] = float(masked_sum(kl.detach(), mask))
+        elif "reward_kl" in batch:
+            sums["kl"] = float(masked_sum(batch["reward_kl"], mask))
         with torch.no_grad():
             sums["entropy"] = float(masked_sum(entropy_from_logits(logits.detach()), mask))
         sums["loss"] = float(loss.detach()) * normalizer  # the sum of this micro-batch's unit losses

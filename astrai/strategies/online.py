@@ -21,7 +21,7 @@ from astrai.config import ConfigError
 from astrai.data import render_rows
 from astrai.data.sampler import ShardedOrder
 from astrai.rollout import RolloutResult, build_reward, generate_rollout, reward_inputs, sampling_seed
-from astrai.algos.masked import masked_aggregate
+from astrai.algos.masked import masked_aggregate, rows_with_tokens
 from astrai.rollout.generation import behaviour_logprobs_source
 from astrai.rollout.prompts import decode_prompt_row, prompt_batch
 from astrai.strategies.base import StepOutput, Strategy
@@ -145,16 +145,23 @@ class OnlineStrategy(Strategy):
         raise NotImplementedError
 
     def loss_weight(self, batch: dict) -> int:
-        """Loss units of the micro-batch: response tokens (token_mean) or responses (sequence_mean)."""
+        """Loss units of the micro-batch: response tokens (token_mean) or responses with at least one
+        token (sequence_mean: a response without tokens has no mean, so it counts nowhere)."""
         if self.job.rl.loss_aggregation == "token_mean":
             return int(batch["response_mask"].sum())
-        return batch["response_mask"].shape[0]
+        return int(rows_with_tokens(batch["response_mask"]).sum())
+
+    def aggregation(self, normalizer: float) -> dict:
+        """The `masked_aggregate` arguments that divide this micro-batch's unit losses by `normalizer`
+        (the step's global loss units / (ranks x accumulation), see `loss_weight`)."""
+        if self.job.rl.loss_aggregation == "token_mean":
+            return {"aggregation": "global", "global_token_count": normalizer}
+        return {"aggregation": "global_sequence", "global_sequence_count": normalizer}
 
     def _aggregate(self, per_token: torch.Tensor, mask: torch.Tensor, normalizer: float) -> torch.Tensor:
         """Sum of this micro-batch's unit losses / normalizer (see `loss_weight`)."""
-        if self.job.rl.loss_aggregation == "token_mean":
-            return masked_aggregate(per_token, mask, "global", normalizer)
-        return masked_aggregate(per_token, mask, "sequence_mean") * mask.shape[0] / normalizer
+        arguments = self.aggregation(normalizer)
+        return masked_aggregate(per_token, mask, arguments.pop("aggregation"), **arguments)
 
     def minibatches(self, targets: dict[str, torch.Tensor], *, step: int, epoch: int) -> Iterator[list[dict[str, torch.Tensor]]]:
         """One list of grad_accum_steps micro-batches per optimizer step, over a fresh permutation of this

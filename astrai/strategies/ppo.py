@@ -6,7 +6,7 @@ One step (`trainer.train_online` drives it):
 
     rollout            group_size responses per prompt; behaviour log-probs logp_old [N, R]
     frozen targets     no gradient: reference log-probs, critic values V [N, R], sequence rewards s [N]
-      rewards          r_t = -kl_coef * k3(logp_old, logp_ref)_t on every response token, + s on the last real one
+      rewards          r_t = -kl_coef * k1(logp_old, logp_ref)_t on every response token, + s on the last real one
       GAE              delta_t = r_t + gamma V_{t+1} - V_t,  A_t = delta_t + gamma lambda A_{t+1},  R_t = A_t + V_t
       pinned           values, advantages, returns are set on the RolloutResult, never recomputed in replay
     replay             epochs_per_rollout x minibatches; per micro-batch a policy step and a critic step:
@@ -25,6 +25,9 @@ Choices and departures:
 - The adaptive KL coefficient (`rl.target_kl`) is updated once per rollout, after shaping it, with the
   step's mean KL per response (nats, summed over tokens) over the step's responses (Ziegler et al. eq. 2.2).
 - `rl.kl_in_reward: false` moves the KL from the reward into the policy loss (kl_coef * k3(pi, pi_ref), as grpo).
+- The KL estimator defaults by placement (rl.kl_estimator null): k1 in the reward, whose score-function
+  gradient is exactly grad KL(pi || ref); k3 as a loss term, whose pathwise gradient is grad KL(ref || pi).
+  k3 in the reward would give grad [KL(pi || ref) - KL(ref || pi)], which nearly cancels (algos/kl.py).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from pathlib import Path
 import torch
 
 from astrai.algos.advantages import AdaptiveKLController, FixedKLController, compute_gae, kl_shaped_rewards
-from astrai.algos.kl import kl_estimate, kl_k3
+from astrai.algos.kl import kl_estimate
 from astrai.algos.masked import WHITEN_EPS, masked_sum
 from astrai.algos.ppo import entropy_from_logits, ppo_policy_loss, value_loss
 from astrai.engine import all_reduce_sums
@@ -140,7 +143,8 @@ class PPOStrategy(OnlineStrategy):
         )
         if not settings.kl_in_reward:
             targets["reference_logprobs"] = reference
-        kl = kl_estimate(targets["behaviour_logprobs"], reference, settings.kl_estimator, max_log_ratio=settings.kl_max_log_ratio)
+        kind = settings.kl_kind(self.name)
+        kl = kl_estimate(targets["behaviour_logprobs"], reference, kind, max_log_ratio=settings.kl_max_log_ratio)
         return torch.where(mask, kl, torch.zeros_like(kl))
 
     def sequence_scores(self, rewards: torch.Tensor) -> torch.Tensor:
@@ -169,13 +173,12 @@ class PPOStrategy(OnlineStrategy):
         temperature, vocab_size = self.job.rollout.temperature, len(self.tokenizer)
         logits, output = response_forward(policy, batch, temperature, vocab_size, **options)  # [B, R, vocab]
         logprobs = masked_token_logprobs(logits, batch["response_ids"], mask)
-        token_mean = settings.loss_aggregation == "token_mean"
         surrogate = ppo_policy_loss(
             logprobs, batch["behaviour_logprobs"], batch["advantages"], mask, clip_eps=settings.clip_eps_low,
-            clip_eps_high=settings.clip_eps_high, dual_clip=settings.dual_clip_c,
-            aggregation="global" if token_mean else "sequence_mean", global_token_count=normalizer if token_mean else None,
+            clip_eps_high=settings.clip_eps_high, dual_clip=settings.dual_clip_c, max_log_ratio=settings.max_log_ratio,
+            importance_sampling=settings.importance_sampling, **self.aggregation(normalizer),
         )
-        policy_loss = surrogate.loss if token_mean else surrogate.loss * mask.shape[0] / normalizer
+        policy_loss = surrogate.loss
         entropy = entropy_from_logits(logits if settings.entropy_coef > 0 else logits.detach())
         loss = policy_loss
         if settings.entropy_coef > 0:
@@ -184,9 +187,11 @@ class PPOStrategy(OnlineStrategy):
         sums = {
             "policy_loss": float(policy_loss.detach()) * normalizer, "clip_frac": float(surrogate.clip_fraction) * tokens,
             "approx_kl": float(surrogate.approx_kl) * tokens, "entropy": float(masked_sum(entropy.detach(), mask)),
+            "log_ratio_clamp_frac": float(surrogate.log_ratio_clamp_fraction) * tokens,
         }
         if "reference_logprobs" in batch:
-            kl = kl_k3(logprobs, batch["reference_logprobs"], max_log_ratio=settings.kl_max_log_ratio)
+            kind = settings.kl_kind(self.name)
+            kl = kl_estimate(logprobs, batch["reference_logprobs"], kind, max_log_ratio=settings.kl_max_log_ratio)
             loss = loss + self.loss_kl_coef * self._aggregate(kl, mask, normalizer)
             sums["kl"] = float(masked_sum(kl.detach(), mask))
         sums["loss"] = float(loss.detach()) * normalizer
@@ -198,11 +203,10 @@ class PPOStrategy(OnlineStrategy):
         Logged `value_loss` is before vf_coef (the regression error itself)."""
         settings, mask = self.job.rl, batch["response_mask"]
         values = response_values(critic, batch)
-        token_mean = settings.loss_aggregation == "token_mean"
         regression = value_loss(
             values, batch["values"], batch["returns"], mask, clip_range=settings.value_clip,
-            aggregation="global" if token_mean else "sequence_mean", global_token_count=normalizer if token_mean else None,
+            **self.aggregation(normalizer),
         )
-        loss = regression.loss if token_mean else regression.loss * mask.shape[0] / normalizer
+        loss = regression.loss
         sums = {"value_loss": float(loss.detach()) * normalizer, "value_clip_frac": float(regression.clip_fraction) * float(mask.sum())}
         return StepOutput(settings.vf_coef * loss, sums)

@@ -5,7 +5,15 @@ import random
 import pytest
 import torch
 
-from astrai.algos.advantages import AdaptiveKLController, FixedKLController, gae, grpo_advantages, kl_shaped_rewards
+from astrai.algos.advantages import (
+    AdaptiveKLController,
+    FixedKLController,
+    discounted_returns,
+    gae,
+    grpo_advantages,
+    kl_shaped_rewards,
+    rloo_advantages,
+)
 
 
 def test_grpo_advantages_by_hand():
@@ -123,3 +131,33 @@ def test_fixed_kl_controller_never_moves():
     assert controller.update(123.0, n_steps=10**6) == 0.05
     assert controller.value == 0.05
     assert controller.state_dict() == {"value": 0.05}
+
+
+def test_rloo_advantages_against_a_loop():
+    """A_i = r_i - mean of the other responses of its group (RLOO; verl's compute_rloo_outcome_advantage)."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 2.0, 2.0, 2.0, 0.5, -1.0, 3.0, 0.0], dtype=torch.float64)
+    group_size = 4
+    expected = []
+    for index, reward in enumerate(rewards.tolist()):
+        start = index - index % group_size
+        others = [rewards[j].item() for j in range(start, start + group_size) if j != index]
+        expected.append(reward - sum(others) / len(others))
+    assert rloo_advantages(rewards, group_size).tolist() == pytest.approx(expected, abs=1e-12)
+    centred = grpo_advantages(rewards, group_size, normalize_std=False)
+    assert torch.allclose(rloo_advantages(rewards, group_size), centred * group_size / (group_size - 1))
+    with pytest.raises(ValueError, match="group_size must be >= 2"):
+        rloo_advantages(rewards, 1)
+
+
+def test_discounted_returns_against_a_loop():
+    """G_t = r_t + gamma G_{t+1} within each row's valid prefix; 0 on padding; an empty row is all 0."""
+    generator = torch.Generator().manual_seed(1)
+    rewards = torch.randn(4, 6, generator=generator, dtype=torch.float64)
+    lengths = [6, 3, 0, 1]
+    mask = torch.tensor([[1.0] * n + [0.0] * (6 - n) for n in lengths])
+    for gamma in (1.0, 0.9):
+        returns = discounted_returns(rewards, mask, gamma=gamma)
+        for row, length in enumerate(lengths):
+            for t in range(6):
+                expected = sum(gamma ** (s - t) * rewards[row, s].item() for s in range(t, length))  # 0 past the end
+                assert returns[row, t].item() == pytest.approx(expected, abs=1e-12)

@@ -6,7 +6,7 @@ import statistics
 import pytest
 import torch
 
-from astrai.algos.masked import masked_aggregate, masked_mean, masked_sum, masked_var, masked_whiten
+from astrai.algos.masked import masked_aggregate, masked_mean, masked_sum, masked_var, masked_whiten, rows_with_tokens
 
 VALUES = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])  # valid: 1, 2 | 4
@@ -92,3 +92,32 @@ def test_aggregate_rejects_bad_arguments():
         masked_aggregate(VALUES, MASK, "global", global_token_count=0)
     with pytest.raises(ValueError, match="only used with"):
         masked_aggregate(VALUES, MASK, "token_mean", global_token_count=3)
+
+
+def test_global_sequence_counts_only_rows_with_tokens():
+    """verl's seq-mean-token-mean with a global batch size: per-row token means summed over rows that
+    have a token, divided by the global count of such rows; an empty row counts nowhere (float64 loop)."""
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(8, 5, generator=generator, dtype=torch.float64, requires_grad=True)
+    lengths = [3, 0, 5, 1, 0, 2, 4, 5]  # ragged, two empty rows
+    mask = torch.tensor([[1.0] * n + [0.0] * (5 - n) for n in lengths])
+    expected = 0.0
+    for row, length in enumerate(lengths):
+        if length:
+            expected = expected + sum(values[row, t] for t in range(length)) / length
+    expected = expected / sum(1 for length in lengths if length)
+    aggregated = masked_aggregate(values, mask, "global_sequence", global_sequence_count=6)
+    assert aggregated.item() == pytest.approx(expected.item(), abs=1e-12)
+    (loop_gradient,) = torch.autograd.grad(expected, values)
+    (gradient,) = torch.autograd.grad(aggregated, values)
+    assert torch.allclose(gradient, loop_gradient, atol=1e-15) and gradient[1].abs().sum() == 0
+    assert masked_aggregate(values, mask, "sequence_mean").item() == pytest.approx(expected.item(), abs=1e-12)
+    assert rows_with_tokens(mask).tolist() == [n > 0 for n in lengths]
+    # split over 2 x 2 pieces, each divided by the one global count: the pieces sum to the whole
+    pieces = sum(masked_aggregate(values[rows], mask[rows], "global_sequence", global_sequence_count=6).item()
+                 for rows in (slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8)))
+    assert pieces == pytest.approx(expected.item(), abs=1e-12)
+    with pytest.raises(ValueError, match="needs global_sequence_count"):
+        masked_aggregate(values, mask, "global_sequence")
+    with pytest.raises(ValueError, match="global_sequence_count is only used with aggregation 'global_sequence'"):
+        masked_aggregate(values, mask, "global", 3, global_sequence_count=6)

@@ -213,3 +213,91 @@ def test_policy_loss_rejects_bad_arguments():
         ppo_policy_loss(logp, logp_old, advantages, mask, clip_eps=0.2, aggregation="sum")
     with pytest.raises(ValueError, match="share one shape"):
         ppo_policy_loss(logp, logp_old, advantages, torch.ones(1, 2), clip_eps=0.2)
+
+
+# ----------------------------------------------------------------------------- log-ratio clamp (issue #23, item 3)
+
+
+def test_a_huge_log_ratio_gives_a_finite_gradient_and_is_counted():
+    """Behaviour -95, current -5, A = 1 in float32: unclamped, exp(90) is inf and the gradient NaN from a
+    finite loss; clamped at 20 (the default) the token is clipped, its gradient 0, and it is counted."""
+    def run(max_log_ratio):
+        logp = torch.tensor([[-5.0, -1.0]], requires_grad=True)
+        output = ppo_policy_loss(logp, torch.tensor([[-95.0, -1.0]]), torch.ones(1, 2), torch.ones(1, 2), clip_eps=0.2,
+                                 max_log_ratio=max_log_ratio)
+        output.loss.backward()
+        return output, logp.grad
+
+    unclamped, unclamped_gradient = run(None)
+    assert math.isfinite(unclamped.loss.item()) and math.isnan(unclamped_gradient[0, 0].item())  # the defect
+    clamped, gradient = run(20.0)
+    assert torch.isfinite(gradient).all() and gradient[0, 0].item() == 0.0
+    assert gradient[0, 1].item() == pytest.approx(-0.5)
+    assert clamped.loss.item() == pytest.approx((-1.2 - 1.0) / 2)  # the clipped branch 1 + eps, and ratio 1
+    assert clamped.log_ratio_clamp_fraction.item() == 0.5 and clamped.clip_fraction.item() == 0.5
+    assert math.isfinite(clamped.approx_kl.item())
+    with pytest.raises(ValueError, match="max_log_ratio must be > 0"):
+        ppo_policy_loss(*one_row([1.0], [1.0]), clip_eps=0.2, max_log_ratio=0.0)
+
+
+# ----------------------------------------------------------------------------- GSPO (issue #23, item 9)
+
+
+def gspo_loop(logp, logp_old, advantages, lengths, clip_low, clip_high, weights):
+    """GSPO eqs. 5-7 row by row: s_i = exp(mean_t (logp - logp_old)), l_i = max(-A_i s_i, -A_i clip(s_i)),
+    loss = sum_i weights[i] * l_i (A_i: the row's first advantage; sequence advantages)."""
+    total = 0.0
+    for row, length in enumerate(lengths):
+        if not length:
+            continue
+        log_ratio = sum(logp[row, t] - logp_old[row, t] for t in range(length)) / length
+        ratio = torch.exp(log_ratio)
+        advantage = advantages[row, 0]
+        clipped_ratio = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+        total = total + weights[row] * torch.maximum(-advantage * ratio, -advantage * clipped_ratio)
+    return total
+
+
+@pytest.mark.parametrize("aggregation", ["sequence_mean", "token_mean"])
+def test_sequence_importance_sampling_against_the_paper(aggregation):
+    """Loss and gradient of importance_sampling="sequence" equal GSPO's sequence objective computed per
+    row in float64 (ragged rows, an empty row, rows clipped on either side). With sequence_mean every row
+    weighs 1 / rows (GSPO); with token_mean its length / tokens (the same per-row objective, length-weighted)."""
+    generator = torch.Generator().manual_seed(4)
+    lengths = [4, 2, 0, 5, 1, 3]
+    mask = torch.tensor([[1.0] * n + [0.0] * (5 - n) for n in lengths], dtype=torch.float64)
+    logp_old = -torch.rand(6, 5, generator=generator, dtype=torch.float64) * 3
+    shift = torch.tensor([0.3, -0.4, 0.0, 0.05, 1.0, -0.02], dtype=torch.float64).unsqueeze(1)  # in/out of range
+    logp = (logp_old + shift + 0.1 * torch.randn(6, 5, generator=generator, dtype=torch.float64)).requires_grad_(True)
+    advantages = torch.tensor([1.0, 1.0, 2.0, -1.0, -0.5, 0.7], dtype=torch.float64).unsqueeze(1).expand(6, 5) * mask
+    rows, tokens = sum(1 for n in lengths if n), sum(lengths)
+    weights = [1.0 / rows if aggregation == "sequence_mean" else n / tokens for n in lengths]
+    expected = gspo_loop(logp, logp_old, advantages, lengths, 0.2, 0.28, weights)
+    output = ppo_policy_loss(logp, logp_old, advantages, mask, clip_eps=0.2, clip_eps_high=0.28,
+                             aggregation=aggregation, importance_sampling="sequence")
+    assert output.loss.item() == pytest.approx(expected.item(), abs=1e-12)
+    (loop_gradient,) = torch.autograd.grad(expected, logp)
+    (gradient,) = torch.autograd.grad(output.loss, logp)
+    assert torch.allclose(gradient, loop_gradient, atol=1e-12) and gradient.abs().sum() > 0
+    sequence_ratio = {
+        r: math.exp(sum((logp[r, t] - logp_old[r, t]).item() for t in range(n)) / n) for r, n in enumerate(lengths) if n
+    }
+    clipped_rows = [
+        r for r, ratio in sequence_ratio.items()
+        if (advantages[r, 0] > 0 and ratio > 1.28) or (advantages[r, 0] < 0 and ratio < 0.8)
+    ]
+    clipped_tokens = sum(lengths[r] for r in clipped_rows)
+    assert output.clip_fraction.item() == pytest.approx(clipped_tokens / tokens) and 0 < clipped_tokens < tokens
+    assert min(sequence_ratio.values()) < 0.8 and max(sequence_ratio.values()) > 1.28  # both sides exercised
+
+
+def test_sequence_importance_sampling_clamps_the_sequence_log_ratio():
+    logp = torch.tensor([[-5.0, -5.0], [-1.0, -1.0]], requires_grad=True)
+    logp_old = torch.tensor([[-95.0, -95.0], [-1.0, -1.0]])
+    ones = torch.ones(2, 2)
+    output = ppo_policy_loss(logp, logp_old, ones, ones, clip_eps=0.2, importance_sampling="sequence")
+    output.loss.backward()
+    assert torch.isfinite(logp.grad).all() and logp.grad[0].abs().sum() == 0
+    assert output.log_ratio_clamp_fraction.item() == 0.5
+    with pytest.raises(ValueError, match="importance_sampling must be one of"):
+        ppo_policy_loss(logp, logp_old, torch.ones(2, 2), torch.ones(2, 2), clip_eps=0.2, importance_sampling="row")

@@ -134,7 +134,7 @@ def test_critic_folder_round_trip(tmp_path, tokenizer):
 def test_frozen_targets_are_pinned_on_the_rollout(tokenizer, rollout_and_models):
     result, policy, reference = rollout_and_models
     result = copy.copy(result)
-    config = job(rl={"kl_coef": 0.1, "gamma": 0.9, "gae_lambda": 0.8, "whiten_advantages": False})
+    config = job(rl={"kl_coef": 0.1, "gamma": 0.9, "gae_lambda": 0.8, "whiten_advantages": False, "kl_estimator": "k3"})
     strategy = ppo_with(config, tokenizer, fresh_critic(policy), reference)
     targets = strategy.frozen_targets(result)
     mask = targets["response_mask"]
