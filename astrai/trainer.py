@@ -175,7 +175,7 @@ def train_online(run: Run) -> TrainerState:
             train_seconds = time.perf_counter() - train_started
             # 4. Metrics and checkpoint.
             state.step = step
-            state.consumed_samples += sample.prompts_drawn  # prompts, across all ranks: every one drawn, so a resume continues there
+            state.consumed_samples += sample.prompts_drawn  # every prompt drawn, all ranks: a resume continues there
             state.epoch = strategy.prompt_epoch(state.consumed_samples)
             state.elapsed_s = time.perf_counter() - run_started
             state.strategy = strategy.state_dict()

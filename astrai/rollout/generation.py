@@ -96,7 +96,8 @@ class RolloutResult:
         behaviour_logprobs [N, R]: what every online loss reads."""
         tensors = join_sequences(self.prompt_ids, self.prompt_mask, self.response_ids, self.response_mask)
         if self.loss_rows is not None:  # attention still sees the response; only the loss mask empties
-            tensors["response_mask"] = tensors["response_mask"] * self.loss_rows.to(tensors["response_mask"].dtype)[:, None]
+            keep = self.loss_rows.to(tensors["response_mask"].dtype)[:, None]
+            tensors["response_mask"] = tensors["response_mask"] * keep
         if self.behaviour_logprobs is not None:
             tensors["behaviour_logprobs"] = self.behaviour_logprobs
         return tensors

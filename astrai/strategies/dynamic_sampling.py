@@ -53,7 +53,9 @@ def plan_groups(informative: list[list[list[bool]]], wanted: int) -> list[tuple[
     order: the informative ones first, then (only when there are too few) the uninformative ones."""
     order = [
         (round_index, rank, group, flag)
-        for round_index, ranks in enumerate(informative) for rank, flags in enumerate(ranks) for group, flag in enumerate(flags)
+        for round_index, ranks in enumerate(informative)
+        for rank, flags in enumerate(ranks)
+        for group, flag in enumerate(flags)
     ]
     picked = [entry[:3] for entry in order if entry[3]][:wanted]
     if len(picked) < wanted:
@@ -62,7 +64,8 @@ def plan_groups(informative: list[list[list[bool]]], wanted: int) -> list[tuple[
 
 
 def deal_groups(
-    rollouts: list[RolloutResult], picks: list[tuple[int, int, int]], *, rank: int, per_rank: int, pad_token_id: int, device="cpu"
+    rollouts: list[RolloutResult], picks: list[tuple[int, int, int]], *, rank: int, per_rank: int, pad_token_id: int,
+    device="cpu",
 ) -> RolloutResult:
     """This rank's share of the step: picks[rank * per_rank : (rank + 1) * per_rank], whichever rank sampled
     them, on `device`. rollouts: this rank's rollout of each round. Collective: every rank must call it with the
@@ -85,13 +88,17 @@ same picks (the groups that change rank travel on the CPU)."""
     return concatenate_rollouts([received[position] for position in own], pad_token_id)
 
 
-def sample_dynamically(strategy, policy, prompt_batches: Iterator[list[dict]], *, step: int, policy_version: int) -> StepSample:
+def sample_dynamically(
+    strategy, policy, prompt_batches: Iterator[list[dict]], *, step: int, policy_version: int
+) -> StepSample:
     """Rounds of sampling until the step holds prompts_per_step informative groups (module docstring)."""
     job, dist = strategy.job, strategy.dist
     wanted, group_size = job.rollout.prompts_per_step, job.rollout.group_size
     rollouts, informative, reward_sum = [], [], 0.0
     for round_index in range(job.rl.max_sampling_rounds):
-        rollout = strategy.rollout(policy, next(prompt_batches), step=step, policy_version=policy_version, sampling_round=round_index)
+        rollout = strategy.rollout(
+            policy, next(prompt_batches), step=step, policy_version=policy_version, sampling_round=round_index
+        )
         strategy.score(rollout)
         rollouts.append(rollout)
         flags = informative_groups(rollout.rewards, group_size).tolist()
@@ -105,12 +112,13 @@ def sample_dynamically(strategy, policy, prompt_batches: Iterator[list[dict]], *
     rounds = len(rollouts)
     if kept < wanted and dist.is_main:
         logger.warning(
-            "step %d: %d informative groups of %d after rl.max_sampling_rounds %d; %d groups of equal rewards (advantages 0) fill the step",
+            "step %d: %d informative groups of %d after rl.max_sampling_rounds %d; "
+            "%d groups of equal rewards (advantages 0) fill the step",
             step, kept, wanted, rounds, wanted - kept,
         )
     rollout = deal_groups(
-        rollouts, picks, rank=dist.rank, per_rank=strategy.geometry.prompts_per_rank, pad_token_id=strategy.tokenizer.pad_token_id,
-        device=dist.device,
+        rollouts, picks, rank=dist.rank, per_rank=strategy.geometry.prompts_per_rank,
+        pad_token_id=strategy.tokenizer.pad_token_id, device=dist.device,
     )
     metrics = {
         "sampling_rounds": float(rounds), "kept_groups": float(kept), "dropped_groups": float(rounds * wanted - wanted),

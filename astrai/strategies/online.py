@@ -77,23 +77,27 @@ def check_dapo_settings(job) -> None:
     settings = job.rl
     if settings.dynamic_sampling and job.train.train_type != "grpo":
         raise ConfigError(
-            f"rl.dynamic_sampling needs train.train_type grpo, not {job.train.train_type}: it drops groups whose rewards are all equal "
-            "because their group-relative advantages are 0, which a critic's advantages are not"
+            f"rl.dynamic_sampling needs train.train_type grpo, not {job.train.train_type}: it drops groups whose "
+            "rewards are all equal because their group-relative advantages are 0, which a critic's advantages are not"
         )
     if settings.dynamic_sampling and job.rollout.group_size < 2:
-        raise ConfigError(f"rl.dynamic_sampling compares the rewards within a group: rollout.group_size {job.rollout.group_size} must be >= 2")
+        raise ConfigError(
+            f"rl.dynamic_sampling compares the rewards within a group: rollout.group_size {job.rollout.group_size} "
+            "must be >= 2"
+        )
     penalty = settings.overlong_penalty
     if penalty is not None:
         max_tokens = penalty.max_tokens or job.rollout.max_new_tokens
         if max_tokens > job.rollout.max_new_tokens:
             raise ConfigError(
-                f"rl.overlong_penalty.max_tokens {max_tokens} > rollout.max_new_tokens {job.rollout.max_new_tokens}: no response reaches it; "
-                "set it to at most rollout.max_new_tokens (or null: rollout.max_new_tokens)"
+                f"rl.overlong_penalty.max_tokens {max_tokens} > rollout.max_new_tokens {job.rollout.max_new_tokens}: "
+                "no response reaches it; set it to at most rollout.max_new_tokens (or null: rollout.max_new_tokens)"
             )
         if penalty.buffer_tokens > max_tokens:
             raise ConfigError(
-                f"rl.overlong_penalty.buffer_tokens {penalty.buffer_tokens} > rl.overlong_penalty.max_tokens {max_tokens}"
-                f"{'' if penalty.max_tokens else ' (rollout.max_new_tokens)'}: the penalty would start before the response does"
+                f"rl.overlong_penalty.buffer_tokens {penalty.buffer_tokens} > rl.overlong_penalty.max_tokens "
+                f"{max_tokens}{'' if penalty.max_tokens else ' (rollout.max_new_tokens)'}: "
+                "the penalty would start before the response does"
             )
 
 
@@ -163,7 +167,9 @@ class OnlineStrategy(Strategy):
         self.score(rollout)
         return StepSample(rollout, self.job.rollout.prompts_per_step)
 
-    def rollout(self, policy, examples: list[dict], *, step: int, policy_version: int, sampling_round: int = 0) -> RolloutResult:
+    def rollout(
+        self, policy, examples: list[dict], *, step: int, policy_version: int, sampling_round: int = 0
+    ) -> RolloutResult:
         prompt_ids, messages, rows = zip(*(decode_prompt_row(example) for example in examples))
         rollout = generate_rollout(
             policy, self.tokenizer, prompt_ids, messages, rows, self.job.rollout,
@@ -191,8 +197,8 @@ class OnlineStrategy(Strategy):
         if settings is not None:
             lengths = rollout.response_mask.sum(dim=1)  # tokens, EOS included
             rollout.overlong_penalties = overlong_penalty(
-                lengths, max_tokens=settings.max_tokens or self.job.rollout.max_new_tokens, buffer_tokens=settings.buffer_tokens,
-                penalty_factor=settings.penalty_factor,
+                lengths, max_tokens=settings.max_tokens or self.job.rollout.max_new_tokens,
+                buffer_tokens=settings.buffer_tokens, penalty_factor=settings.penalty_factor,
             )
             rollout.rewards = rollout.rewards + rollout.overlong_penalties
 

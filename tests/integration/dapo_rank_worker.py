@@ -27,25 +27,32 @@ def instrument() -> None:
     rollout, sample, minibatches = GrpoStrategy.rollout, GrpoStrategy.sample, GrpoStrategy.minibatches
 
     def recorded_rollout(self, policy, examples, *, step, policy_version, sampling_round=0):
-        result = rollout(self, policy, examples, step=step, policy_version=policy_version, sampling_round=sampling_round)
-        record(self, {"kind": "round", "step": step, "round": sampling_round, "ids": [json.loads(e["row"])["id"] for e in examples]})
+        result = rollout(
+            self, policy, examples, step=step, policy_version=policy_version, sampling_round=sampling_round
+        )
+        ids = [json.loads(example["row"])["id"] for example in examples]
+        record(self, {"kind": "round", "step": step, "round": sampling_round, "ids": ids})
         return result
 
     def recorded_sample(self, policy, prompt_batches, *, step, policy_version):
         result = sample(self, policy, prompt_batches, step=step, policy_version=policy_version)
         rollout = result.rollout
         record(self, {
-            "kind": "step", "step": step, "ids": [row["id"] for row in rollout.rows], "responses": rollout.response_texts,
-            "rewards": rollout.rewards.tolist(), "group_size": rollout.group_size, "prompts_drawn": result.prompts_drawn,
+            "kind": "step", "step": step, "ids": [row["id"] for row in rollout.rows],
+            "responses": rollout.response_texts,
+            "rewards": rollout.rewards.tolist(), "group_size": rollout.group_size,
+            "prompts_drawn": result.prompts_drawn,
         })
         return result
 
     def recorded_minibatches(self, targets, *, step, epoch):
         for micro_batches in minibatches(self, targets, step=step, epoch=epoch):
-            record(self, {"kind": "minibatch", "step": step, "micro_batches": [int(batch["input_ids"].shape[0]) for batch in micro_batches]})
+            sizes = [int(batch["input_ids"].shape[0]) for batch in micro_batches]
+            record(self, {"kind": "minibatch", "step": step, "micro_batches": sizes})
             yield micro_batches
 
-    GrpoStrategy.rollout, GrpoStrategy.sample, GrpoStrategy.minibatches = recorded_rollout, recorded_sample, recorded_minibatches
+    GrpoStrategy.rollout, GrpoStrategy.sample = recorded_rollout, recorded_sample
+    GrpoStrategy.minibatches = recorded_minibatches
 
 
 if __name__ == "__main__":

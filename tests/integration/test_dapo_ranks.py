@@ -34,13 +34,14 @@ data: {{path: {folder}/prompts.jsonl, max_seq_len: 32}}
 rollout: {{prompts_per_step: {prompts}, group_size: {group}, max_new_tokens: 4}}
 rl: {{kl_coef: 0.0, dynamic_sampling: true, max_sampling_rounds: 3}}
 reward: {{function: "tests.integration.dapo_reward:first_character_reward"}}
-train: {{train_type: grpo, max_steps: {steps}, micro_batch_size: 2, grad_accum_steps: 2, lr: 5e-3, lr_schedule: constant, warmup_steps: 0, seed: 11}}
+train: {{train_type: grpo, max_steps: {steps}, micro_batch_size: 2, grad_accum_steps: 2, lr: 5e-3,
+        lr_schedule: constant, warmup_steps: 0, seed: 11}}
 deepspeed: {{zero_stage: 2}}
 checkpoint: {{every_steps: 1}}
 runtime: {{progress_bar: false, tensorboard: false}}
 """
-COMPARED = ("reward_mean", "sampled_reward_mean", "sampling_rounds", "kept_groups", "dropped_groups", "samples", "loss", "entropy",
-            "clip_frac", "response_len_mean", "policy_version")
+COMPARED = ("reward_mean", "sampled_reward_mean", "sampling_rounds", "kept_groups", "dropped_groups", "samples", "loss",
+            "entropy", "clip_frac", "response_len_mean", "policy_version")
 
 
 def write_job(folder, name: str) -> str:
@@ -50,14 +51,19 @@ def write_job(folder, name: str) -> str:
 
 
 def metric_records(folder, name: str) -> list[dict]:
-    return [json.loads(line) for line in (folder / name / "metrics.jsonl").read_text().splitlines() if line.endswith("}")]
+    lines = (folder / name / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.endswith("}")]
 
 
 def kill_after_logged_steps(folder, config: str, logged: int) -> None:
     """Launch the job on RANKS ranks and SIGKILL the whole launch once `logged` steps are in metrics.jsonl."""
-    command = deepspeed_launcher() + [f"--num_gpus={RANKS}", "--master_port", str(free_port()), "astrai/train.py", "--config", config]
+    port = str(free_port())
+    command = deepspeed_launcher() + [f"--num_gpus={RANKS}", "--master_port", port]
+    command += ["astrai/train.py", "--config", config]
     with open(folder / "killed.log", "w") as log:
-        process = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            command, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     metrics = folder / "resumed" / "metrics.jsonl"
     deadline = time.monotonic() + 600
     try:
@@ -88,7 +94,8 @@ def records(folder, name: str, kind: str) -> dict[int, list[list[dict]]]:
 def launched(tmp_path_factory):
     folder = tmp_path_factory.mktemp("dapo_ranks")
     rows = (REPO / "data/arithmetic/prompts.jsonl").read_text().splitlines()[:32]
-    (folder / "prompts.jsonl").write_text("".join(json.dumps({**json.loads(row), "id": index}) + "\n" for index, row in enumerate(rows)))
+    with_ids = [json.dumps({**json.loads(row), "id": index}) + "\n" for index, row in enumerate(rows)]
+    (folder / "prompts.jsonl").write_text("".join(with_ids))
     kill_after_logged_steps(folder, write_job(folder, "resumed"), logged=3)
     killed_at = len(metric_records(folder, "resumed"))
     runs = [{"name": name, "config": write_job(folder, name)} for name in ("resumed", "straight", "repeat")]
@@ -122,12 +129,15 @@ def test_every_rank_trains_on_whole_groups_in_whole_minibatches(launched):
             own_draws = {prompt for draw in rounds[step][rank] for prompt in draw["ids"]}
             exchanged += sum(group[0] not in own_draws for group in groups)
         assert kept == record["kept_groups"]
-        assert len(rounds[step][0]) == record["sampling_rounds"] and per_rank[0]["prompts_drawn"] == record["sampling_rounds"] * PROMPTS
+        assert len(rounds[step][0]) == record["sampling_rounds"]
+        assert per_rank[0]["prompts_drawn"] == record["sampling_rounds"] * PROMPTS
         assert record["dropped_groups"] == record["sampling_rounds"] * PROMPTS - PROMPTS
     # The data position counts every prompt drawn.
-    assert [r["samples"] for r in metrics] == [sum(m["sampling_rounds"] for m in metrics[: i + 1]) * PROMPTS for i in range(STEPS)]
+    drawn = [sum(m["sampling_rounds"] for m in metrics[: i + 1]) * PROMPTS for i in range(STEPS)]
+    assert [r["samples"] for r in metrics] == drawn
     # The test's reward makes the dynamic part happen: extra rounds, dropped groups, and groups dealt to the other rank.
-    assert max(r["sampling_rounds"] for r in metrics) > 1 and sum(r["dropped_groups"] for r in metrics) > 0 and exchanged > 0
+    assert max(r["sampling_rounds"] for r in metrics) > 1
+    assert sum(r["dropped_groups"] for r in metrics) > 0 and exchanged > 0
 
 
 def test_kept_groups_are_the_same_in_every_run(launched):
@@ -136,7 +146,8 @@ def test_kept_groups_are_the_same_in_every_run(launched):
     straight, repeat = records(folder, "straight", "step"), records(folder, "repeat", "step")
     assert straight == repeat
     for field in COMPARED:
-        assert [r[field] for r in metric_records(folder, "straight")] == [r[field] for r in metric_records(folder, "repeat")], field
+        straight_values = [r[field] for r in metric_records(folder, "straight")]
+        assert straight_values == [r[field] for r in metric_records(folder, "repeat")], field
 
 
 def test_a_killed_run_resumes_to_the_uninterrupted_one(launched):

@@ -26,7 +26,8 @@ from tests.unit.rollout_fixtures import PlainEngine, tiny_model, tiny_tokenizer
 
 def job(**sections) -> JobConfig:
     raw = {
-        "output_dir": "/tmp/unused", "model": {"init": {"model_type": "llama"}}, "tokenizer": {"build": {"kind": "char"}},
+        "output_dir": "/tmp/unused", "model": {"init": {"model_type": "llama"}},
+        "tokenizer": {"build": {"kind": "char"}},
         "data": {"path": "unused.jsonl"},
         "train": {"train_type": "grpo", "max_steps": 3, "micro_batch_size": 2, "grad_accum_steps": 2},
         "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 5},
@@ -47,7 +48,8 @@ def test_overlong_penalty_by_hand():
     assert torch.equal(overlong_penalty(lengths, max_tokens=8, buffer_tokens=4), expected)
     assert torch.equal(overlong_penalty(lengths, max_tokens=8, buffer_tokens=4, penalty_factor=0.5), expected * 0.5)
     # buffer = max_tokens: every token costs 1 / max_tokens (the penalty starts at the first token)
-    assert torch.allclose(overlong_penalty(torch.tensor([1, 3]), max_tokens=3, buffer_tokens=3), torch.tensor([-1 / 3, -1.0]))
+    third = overlong_penalty(torch.tensor([1, 3]), max_tokens=3, buffer_tokens=3)
+    assert torch.allclose(third, torch.tensor([-1 / 3, -1.0]))
     with pytest.raises(ValueError, match="buffer_tokens 5, max_tokens 4"):
         overlong_penalty(lengths, max_tokens=4, buffer_tokens=5)
 
@@ -71,7 +73,9 @@ def test_plan_groups_keeps_the_first_informative_groups_in_sampling_order():
 # ----------------------------------------------------------------------------- groups across rollouts
 
 
-def hand_rollout(prompts: list[list[int]], responses: list[list[int]], *, group_size: int, tag: str, pad: int = 0) -> RolloutResult:
+def hand_rollout(
+    prompts: list[list[int]], responses: list[list[int]], *, group_size: int, tag: str, pad: int = 0
+) -> RolloutResult:
     """A rollout built by hand: prompts left-padded, responses right-padded with `pad` (ids >= 1 are tokens)."""
     prompt_width, response_width = max(map(len, prompts)), max(map(len, responses))
     prompt_ids = torch.tensor([[pad] * (prompt_width - len(p)) + p for p in prompts])
@@ -91,7 +95,8 @@ def hand_rollout(prompts: list[list[int]], responses: list[list[int]], *, group_
 def test_groups_cut_and_joined_are_re_padded():
     first = hand_rollout([[5], [5], [6, 7], [6, 7]], [[1, 2, 3], [1], [4], [4, 4]], group_size=2, tag="a")
     second = hand_rollout([[8, 8, 8], [8, 8, 8]], [[9], [9]], group_size=2, tag="b")
-    joined = concatenate_rollouts([select_groups(first, [1]), select_groups(second, [0]), select_groups(first, [0])], pad_token_id=0)
+    parts = [select_groups(first, [1]), select_groups(second, [0]), select_groups(first, [0])]
+    joined = concatenate_rollouts(parts, pad_token_id=0)
     assert joined.prompt_ids.tolist() == [[0, 6, 7], [0, 6, 7], [8, 8, 8], [8, 8, 8], [0, 0, 5], [0, 0, 5]]
     assert joined.prompt_mask.tolist() == [[0, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1], [0, 0, 1], [0, 0, 1]]
     assert joined.response_ids.tolist() == [[4, 0, 0], [4, 4, 0], [9, 0, 0], [9, 0, 0], [1, 2, 3], [1, 0, 0]]
@@ -106,7 +111,10 @@ def test_groups_cut_and_joined_are_re_padded():
 
 
 def test_deal_groups_on_one_rank_takes_the_picks_in_order():
-    rounds = [hand_rollout([[5]] * 4, [[1]] * 4, group_size=2, tag="a"), hand_rollout([[6]] * 4, [[2, 2]] * 4, group_size=2, tag="b")]
+    rounds = [
+        hand_rollout([[5]] * 4, [[1]] * 4, group_size=2, tag="a"),
+        hand_rollout([[6]] * 4, [[2, 2]] * 4, group_size=2, tag="b"),
+    ]
     dealt = deal_groups(rounds, [(1, 0, 1), (0, 0, 0)], rank=0, per_rank=2, pad_token_id=0)
     assert dealt.rows == [{"row": "b2"}, {"row": "b3"}, {"row": "a0"}, {"row": "a1"}]
     assert dealt.response_ids.tolist() == [[2, 2], [2, 2], [1, 0], [1, 0]]
@@ -118,7 +126,7 @@ def test_mask_truncated_empties_the_loss_mask_only():
     rollout.loss_rows = ~rollout.truncated
     tensors = rollout.training_tensors()
     assert tensors["response_mask"].tolist() == [[0, 0], [1, 1]]
-    assert tensors["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 1]]  # the response still conditions nothing after it
+    assert tensors["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 1]]  # attention unchanged
     assert rollout.metric_sums()["rollout/response_tokens"] == 4.0  # lengths still count every token
 
 
@@ -132,7 +140,10 @@ class PositionReward:
     name = "position"
 
     def __call__(self, inputs):
-        return [1.0 if row["mode"] == "vary" and i % 4 == 0 else 0.0 if row["mode"] == "vary" else 0.5 for i, row in enumerate(inputs["rows"])]
+        scores = []
+        for position, row in enumerate(inputs["rows"]):
+            scores.append(0.5 if row["mode"] == "flat" else float(position % 4 == 0))
+        return scores
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +169,8 @@ def prompt_rounds(tokenizer, modes: list[list[str]]):
         for index, mode in enumerate(round_modes):
             chat = [{"role": "user", "content": f"{round_index}+{index}="}]
             row = {"mode": mode, "id": f"{round_index}.{index}"}
-            examples.append({"prompt_ids": render_prompt(tokenizer, chat), "messages": json.dumps(chat), "row": json.dumps(row)})
+            prompt_ids = render_prompt(tokenizer, chat)
+            examples.append({"prompt_ids": prompt_ids, "messages": json.dumps(chat), "row": json.dumps(row)})
         yield examples
 
 
@@ -170,21 +182,26 @@ def test_dynamic_sampling_rounds_keep_informative_groups(tokenizer):
     sample = strategy.sample(policy, batches, step=1, policy_version=0)
     # Round 0 gives one informative group, round 1 none, round 2 two: the step stops there (round 3 untouched).
     assert sample.prompts_drawn == 3 * 2
-    assert sample.metrics == {"sampling_rounds": 3.0, "kept_groups": 2.0, "dropped_groups": 4.0, "sampled_reward_mean": pytest.approx(9 / 24)}
+    assert sample.metrics == {
+        "sampling_rounds": 3.0, "kept_groups": 2.0, "dropped_groups": 4.0, "sampled_reward_mean": pytest.approx(9 / 24),
+    }
     assert [row["id"] for row in sample.rollout.rows[::4]] == ["0.1", "2.0"]
     assert sample.rollout.rewards.tolist() == [1.0, 0.0, 0.0, 0.0] * 2
     targets = strategy.frozen_targets(sample.rollout)  # the rollout is scored once, in sampling
     assert targets["advantages"].abs().sum() > 0 and targets["input_ids"].shape[0] == 8
     # Round 2's responses are its own draw: another seed than round 0 of the same step.
-    assert round_seed(7, 1, 0, 0) == sampling_seed(7, 1, 0) and round_seed(7, 1, 0, 2) not in (sampling_seed(7, 1, 0), sampling_seed(7, 1, 0, 2))
+    assert round_seed(7, 1, 0, 0) == sampling_seed(7, 1, 0)
+    assert round_seed(7, 1, 0, 2) not in (sampling_seed(7, 1, 0), sampling_seed(7, 1, 0, 2))
 
 
 def test_dynamic_sampling_fills_the_step_after_the_last_round(tokenizer):
     strategy = one_rank_strategy(job(rl={"dynamic_sampling": True, "max_sampling_rounds": 2}), tokenizer)
     batches = prompt_rounds(tokenizer, [["flat", "flat"], ["flat", "vary"]])
     sample = strategy.sample(PlainEngine(tiny_model(tokenizer)), batches, step=5, policy_version=0)
-    assert sample.prompts_drawn == 4 and sample.metrics["kept_groups"] == 1.0 and sample.metrics["dropped_groups"] == 2.0
-    assert [row["id"] for row in sample.rollout.rows[::4]] == ["1.1", "0.0"]  # the informative group, then the first flat one
+    assert sample.prompts_drawn == 4
+    assert sample.metrics["kept_groups"] == 1.0 and sample.metrics["dropped_groups"] == 2.0
+    # the informative group, then the first flat one
+    assert [row["id"] for row in sample.rollout.rows[::4]] == ["1.1", "0.0"]
     assert strategy.frozen_targets(sample.rollout)["advantages"][4:].abs().sum() == 0
 
 
@@ -201,7 +218,8 @@ def test_overlong_penalty_and_mask_truncated_in_the_rollout(tokenizer):
     assert rollout.metric_sums()["rollout/overlong_penalty"] == pytest.approx(float(penalty.sum()))
     assert rollout.truncated.any()  # a random tiny model rarely says EOS within 5 tokens
     mask = rollout.training_tensors()["response_mask"]
-    assert mask[rollout.truncated].sum() == 0 and torch.equal(mask[~rollout.truncated], rollout.response_mask[~rollout.truncated])
+    truncated = rollout.truncated
+    assert mask[truncated].sum() == 0 and torch.equal(mask[~truncated], rollout.response_mask[~truncated])
 
 
 def test_without_dynamic_sampling_a_step_samples_what_it_did(tokenizer):
@@ -217,25 +235,39 @@ def test_without_dynamic_sampling_a_step_samples_what_it_did(tokenizer):
         policy, tokenizer, prompt_ids, messages, rows, config.rollout, seed=sampling_seed(config.train.seed, 4, 0),
         policy_version=0, logprob_batch_size=2, behaviour_logprobs=strategy.needs_behaviour_logprobs(),
     )
-    assert torch.equal(sample.rollout.response_ids, direct.response_ids) and sample.prompts_drawn == 2 and sample.metrics == {}
+    assert torch.equal(sample.rollout.response_ids, direct.response_ids)
+    assert sample.prompts_drawn == 2 and sample.metrics == {}
 
 
 # ----------------------------------------------------------------------------- configuration
 
 
 def test_overlong_buffer_larger_than_max_tokens_fails_in_the_schema():
-    with pytest.raises(ValidationError, match=r"`rl.overlong_penalty.buffer_tokens` \(6\) is larger than `rl.overlong_penalty.max_tokens` \(4\)"):
+    message = r"`rl.overlong_penalty.buffer_tokens` \(6\) is larger than `rl.overlong_penalty.max_tokens` \(4\)"
+    with pytest.raises(ValidationError, match=message):
         job(rl={"overlong_penalty": {"buffer_tokens": 6, "max_tokens": 4}})
 
 
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"train": {"train_type": "online_ppo"}, "rl": {"dynamic_sampling": True}}, "rl.dynamic_sampling needs train.train_type grpo, not online_ppo"),
-        ({"train": {"train_type": "online_ppo"}, "rollout": {"group_size": 1, "prompts_per_step": 4}, "rl": {"dynamic_sampling": True}},
-         "rl.dynamic_sampling needs train.train_type grpo"),
-        ({"rl": {"overlong_penalty": {"buffer_tokens": 2, "max_tokens": 9}}}, r"rl.overlong_penalty.max_tokens 9 > rollout.max_new_tokens 5"),
-        ({"rl": {"overlong_penalty": {"buffer_tokens": 6}}}, r"rl.overlong_penalty.buffer_tokens 6 > rl.overlong_penalty.max_tokens 5 \(rollout.max_new_tokens\)"),
+        (
+            {"train": {"train_type": "online_ppo"}, "rl": {"dynamic_sampling": True}},
+            "rl.dynamic_sampling needs train.train_type grpo, not online_ppo",
+        ),
+        (
+            {"train": {"train_type": "online_ppo"}, "rollout": {"group_size": 1, "prompts_per_step": 4},
+             "rl": {"dynamic_sampling": True}},
+            "rl.dynamic_sampling needs train.train_type grpo",
+        ),
+        (
+            {"rl": {"overlong_penalty": {"buffer_tokens": 2, "max_tokens": 9}}},
+            r"rl.overlong_penalty.max_tokens 9 > rollout.max_new_tokens 5",
+        ),
+        (
+            {"rl": {"overlong_penalty": {"buffer_tokens": 6}}},
+            r"rl.overlong_penalty.buffer_tokens 6 > rl.overlong_penalty.max_tokens 5 \(rollout.max_new_tokens\)",
+        ),
     ],
 )
 def test_combinations_that_cannot_work_fail_before_any_rank(changes, message, tmp_path, monkeypatch):
