@@ -73,17 +73,13 @@ def batch_geometry(job, world_size: int) -> BatchGeometry:
 
 
 def check_dapo_settings(job) -> None:
-    """rl.dynamic_sampling and rl.overlong_penalty against the rest of the job, before any rank starts."""
+    """rl.dynamic_sampling and rl.overlong_penalty against the rest of the job, before any rank starts. (grpo's
+    rollout.group_size >= 2, which dynamic sampling also needs, is checked by the schema.)"""
     settings = job.rl
     if settings.dynamic_sampling and job.train.train_type != "grpo":
         raise ConfigError(
             f"rl.dynamic_sampling needs train.train_type grpo, not {job.train.train_type}: it drops groups whose "
             "rewards are all equal because their group-relative advantages are 0, which a critic's advantages are not"
-        )
-    if settings.dynamic_sampling and job.rollout.group_size < 2:
-        raise ConfigError(
-            f"rl.dynamic_sampling compares the rewards within a group: rollout.group_size {job.rollout.group_size} "
-            "must be >= 2"
         )
     penalty = settings.overlong_penalty
     if penalty is not None:
