@@ -200,9 +200,11 @@ def train_online(run: Run) -> TrainerState:
         engine.train()
     try:
         for step in range(state.step + 1, run.total_steps + 1):
-            # 1. Rollout: group_size responses to each of this rank's prompts, from the current weights.
+            # 1. Rollout: group_size scored responses to each of this rank's prompts, from the current weights
+            # (rl.dynamic_sampling: as many rounds of prompts as it takes to fill the step with informative groups).
             rollout_started = time.perf_counter()
-            rollout = strategy.rollout(policy, next(prompt_batches), step=step, policy_version=state.policy_version)
+            sample = strategy.sample(policy, prompt_batches, step=step, policy_version=state.policy_version)
+            rollout = sample.rollout
             # 2. Frozen targets: rewards, reference log-probs, values, advantages, returns; fixed for every epoch below.
             targets = strategy.frozen_targets(rollout)
             rollout_seconds = time.perf_counter() - rollout_started
@@ -240,11 +242,12 @@ def train_online(run: Run) -> TrainerState:
             train_seconds = time.perf_counter() - train_started
             # 4. Metrics and checkpoint.
             state.step = step
-            state.consumed_samples += job.rollout.prompts_per_step  # prompts, across all ranks
+            state.consumed_samples += sample.prompts_drawn  # every prompt drawn, all ranks: a resume continues there
             state.epoch = strategy.prompt_epoch(state.consumed_samples)
             state.elapsed_s = time.perf_counter() - run_started
             state.strategy = strategy.state_dict()
             record = _online_record(_global_sums({**sums, **rollout.metric_sums()}, device))
+            record.update(sample.metrics)  # already global: dynamic sampling's rounds and groups
             record.update(lr=lr, grad_norm=policy.grad_norm, rollout_s=rollout_seconds, train_s=train_seconds,
                           policy_version=state.policy_version, elapsed_s=state.elapsed_s, epoch=state.epoch, samples=state.consumed_samples)
             if critic is not None:

@@ -296,6 +296,31 @@ class RolloutConfig(Section):
     )
 
 
+class OverlongPenalty(Section):
+    """DAPO's soft overlong penalty (Yu et al. 2025, eq. 13), added to every response's reward."""
+
+    buffer_tokens: int = Field(
+        ..., ge=1, description="L_cache: the penalty grows linearly over the buffer_tokens tokens before max_tokens."
+    )
+    max_tokens: int | None = Field(
+        None, ge=1, description="L_max: a response this long or longer gets -penalty_factor; 0 up to max_tokens - "
+        "buffer_tokens (null: rollout.max_new_tokens, so a truncated response gets the full penalty)."
+    )
+    penalty_factor: float = Field(
+        1.0, gt=0, description="Scale of the penalty, in reward units (verl's overlong_buffer.penalty_factor; the "
+        "paper's is 1, against a correctness reward of +-1)."
+    )
+
+    @model_validator(mode="after")
+    def _buffer_within(self) -> "OverlongPenalty":
+        if self.max_tokens is not None and self.buffer_tokens > self.max_tokens:
+            raise ValueError(
+                f"`rl.overlong_penalty.buffer_tokens` ({self.buffer_tokens}) is larger than "
+                f"`rl.overlong_penalty.max_tokens` ({self.max_tokens})"
+            )
+        return self
+
+
 class RlConfig(Section):
     epochs_per_rollout: int = Field(1, ge=1, description="Passes over each rollout; targets (rewards, advantages, returns, behaviour and reference log-probs) stay fixed across them.")
     minibatch_size: int | None = Field(
@@ -358,6 +383,23 @@ class RlConfig(Section):
         "token", description="Policy-loss ratio: `token` (PPO, one per token) or `sequence` (GSPO: exp of the "
         "sequence's mean log-ratio, clipped per sequence; GSPO's paper pairs it with loss_aggregation sequence_mean "
         "and clip ranges of ~3e-4 / 4e-4)."
+    )
+    dynamic_sampling: bool = Field(
+        False, description="`grpo`: DAPO's dynamic sampling: drop groups whose rewards are all equal (advantages 0) "
+        "and sample more prompts until the step holds rollout.prompts_per_step informative groups (metrics "
+        "sampling_rounds, kept_groups, dropped_groups; docs/guides/rl.md)."
+    )
+    max_sampling_rounds: int = Field(
+        4, ge=1, description="`rl.dynamic_sampling`: at most this many rounds of rollout.prompts_per_step prompts per "
+        "step; short of informative groups after them, the step is filled with groups of equal rewards (advantages 0)."
+    )
+    overlong_penalty: OverlongPenalty | None = Field(
+        None, description="DAPO's soft length penalty added to each reward: {buffer_tokens, max_tokens, "
+        "penalty_factor} (null: off; metric overlong_penalty)."
+    )
+    mask_truncated: bool = Field(
+        False, description="Responses cut at rollout.max_new_tokens (no EOS) take no loss (DAPO's overlong "
+        "filtering); their rewards still count in their group's baseline."
     )
 
     def kl_placement(self, train_type: str) -> str:

@@ -76,6 +76,10 @@ class RolloutResult:
     policy_version: int  # optimizer updates the sampling weights had received
     rewards: torch.Tensor | None = None  # [N] float32, set by the reward stage
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [N], unweighted
+    overlong_penalties: torch.Tensor | None = None  # [N] float32 (rl.overlong_penalty), already added to `rewards`
+    # [N] bool: the rows that take loss; None: all. rl.mask_truncated clears the truncated rows, whose response
+    # mask `training_tensors` then empties (rewards, lengths and metrics still see every token).
+    loss_rows: torch.Tensor | None = None
     # Targets pinned at rollout time by `online_ppo` (never recomputed while the rollout is replayed):
     values: torch.Tensor | None = None  # [N, R] float32, the critic's values at rollout time, 0 on padding
     advantages: torch.Tensor | None = None  # [N, R] GAE advantages the loss reads (whitened if rl.whiten_advantages)
@@ -91,6 +95,9 @@ class RolloutResult:
         """input_ids, attention_mask, position_ids [N, P + R]; response_ids, response_mask,
         behaviour_logprobs [N, R]: what every online loss reads."""
         tensors = join_sequences(self.prompt_ids, self.prompt_mask, self.response_ids, self.response_mask)
+        if self.loss_rows is not None:  # attention still sees the response; only the loss mask empties
+            keep = self.loss_rows.to(tensors["response_mask"].dtype)[:, None]
+            tensors["response_mask"] = tensors["response_mask"] * keep
         if self.behaviour_logprobs is not None:
             tensors["behaviour_logprobs"] = self.behaviour_logprobs
         return tensors
@@ -107,6 +114,8 @@ class RolloutResult:
             sums.update({"rollout/reward": float(rewards.sum()), "rollout/reward_squared": float((rewards**2).sum())})
             for name, values in self.reward_components.items():
                 sums[f"rollout/reward_{name}"] = float(values.double().sum())
+        if self.overlong_penalties is not None:
+            sums["rollout/overlong_penalty"] = float(self.overlong_penalties.double().sum())
         if self.returns is not None:
             sums.update(self._target_sums())
         return sums
@@ -132,7 +141,7 @@ class RolloutResult:
 def rollout_metrics(totals: dict[str, float]) -> dict[str, float]:
     """Global sums of `RolloutResult.metric_sums` -> reward_mean, reward_std (population, over all
     responses of the step), reward_<component> means, response_len_mean (tokens, EOS included),
-    truncated_frac."""
+    truncated_frac, overlong_penalty (the mean rl.overlong_penalty added to the rewards)."""
     count = max(totals["rollout/responses"], 1.0)
     record = {
         "response_len_mean": totals["rollout/response_tokens"] / count,
@@ -149,6 +158,8 @@ def rollout_metrics(totals: dict[str, float]) -> dict[str, float]:
         record.update(target_metrics(totals))
     if "rollout/kl_coef" in totals:
         record["kl_coef"] = totals["rollout/kl_coef"] / count
+    if "rollout/overlong_penalty" in totals:
+        record["overlong_penalty"] = totals["rollout/overlong_penalty"] / count
     return record
 
 

@@ -6,6 +6,9 @@ each rank takes rollout.prompts_per_step / W prompts and samples group_size resp
 group never spans ranks and its advantages need no communication. DeepSpeed fixes A micro-batches
 per optimizer step, so one minibatch is M x A sequences per rank (M x A x W in all) and each replay
 epoch makes (sequences per rank) / (M x A) optimizer steps.
+
+With rl.dynamic_sampling a step may draw several rounds of prompts (`dynamic_sampling.py`); it still ends
+with prompts_per_step / W whole groups per rank, so the geometry above holds.
 """
 
 from __future__ import annotations
@@ -21,13 +24,17 @@ from astrai.config import ConfigError
 from astrai.data import render_rows
 from astrai.data.sampler import ShardedOrder
 from astrai.rollout import RolloutResult, build_reward, generate_rollout, reward_inputs, sampling_seed
+from astrai.algos.dapo import overlong_penalty
 from astrai.algos.masked import masked_aggregate, rows_with_tokens
 from astrai.rollout.generation import behaviour_logprobs_source
 from astrai.rollout.prompts import decode_prompt_row, prompt_batch
 from astrai.strategies.base import StepOutput, Strategy
+from astrai.strategies.dynamic_sampling import StepSample, sample_dynamically
 from astrai.strategies.reference import build_reference
 
 logger = logging.getLogger("astrai.online")
+
+ROUND_STREAMS = 2**32  # seed streams of dynamic sampling's later rounds; streams 1 + epoch shuffle the replay epochs
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,39 @@ def batch_geometry(job, world_size: int) -> BatchGeometry:
     return BatchGeometry(prompts_per_rank, sequences, train.micro_batch_size, train.grad_accum_steps, sequences // per_update)
 
 
+def check_dapo_settings(job) -> None:
+    """rl.dynamic_sampling and rl.overlong_penalty against the rest of the job, before any rank starts. (grpo's
+    rollout.group_size >= 2, which dynamic sampling also needs, is checked by the schema.)"""
+    settings = job.rl
+    if settings.dynamic_sampling and job.train.train_type != "grpo":
+        raise ConfigError(
+            f"rl.dynamic_sampling needs train.train_type grpo, not {job.train.train_type}: it drops groups whose "
+            "rewards are all equal because their group-relative advantages are 0, which a critic's advantages are not"
+        )
+    penalty = settings.overlong_penalty
+    if penalty is not None:
+        max_tokens = penalty.max_tokens or job.rollout.max_new_tokens
+        if max_tokens > job.rollout.max_new_tokens:
+            raise ConfigError(
+                f"rl.overlong_penalty.max_tokens {max_tokens} > rollout.max_new_tokens {job.rollout.max_new_tokens}: "
+                "no response reaches it; set it to at most rollout.max_new_tokens (or null: rollout.max_new_tokens)"
+            )
+        if penalty.buffer_tokens > max_tokens:
+            raise ConfigError(
+                f"rl.overlong_penalty.buffer_tokens {penalty.buffer_tokens} > rl.overlong_penalty.max_tokens "
+                f"{max_tokens}{'' if penalty.max_tokens else ' (rollout.max_new_tokens)'}: "
+                "the penalty would start before the response does"
+            )
+
+
+def round_seed(seed: int, step: int, rank: int, sampling_round: int) -> int:
+    """The sampling seed of one round of a step on one rank; round 0 is `sampling_seed(seed, step, rank)`,
+    so a run without rl.dynamic_sampling samples what it always did."""
+    if sampling_round == 0:
+        return sampling_seed(seed, step, rank)
+    return sampling_seed(seed, step, rank, stream=ROUND_STREAMS + sampling_round)
+
+
 class OnlineStrategy(Strategy):
     loop = "online"
 
@@ -74,6 +114,7 @@ class OnlineStrategy(Strategy):
     @classmethod
     def check_job(cls, job, world_size: int) -> None:
         batch_geometry(job, world_size)
+        check_dapo_settings(job)
 
     def optimizer_steps_per_step(self, world_size: int) -> int:
         """Optimizer updates of one step (rollout): what an LR schedule over train.max_steps must multiply by."""
@@ -114,24 +155,48 @@ class OnlineStrategy(Strategy):
     def prompt_epoch(self, consumed_samples: int) -> int:
         return self.order.epoch_of(consumed_samples)
 
-    def rollout(self, policy, examples: list[dict], *, step: int, policy_version: int) -> RolloutResult:
+    def sample(self, policy, prompt_batches: Iterator[list[dict]], *, step: int, policy_version: int) -> StepSample:
+        """The step's scored rollout from the next prompts: one round, or rl.dynamic_sampling's rounds."""
+        if self.job.rl.dynamic_sampling:
+            return sample_dynamically(self, policy, prompt_batches, step=step, policy_version=policy_version)
+        rollout = self.rollout(policy, next(prompt_batches), step=step, policy_version=policy_version)
+        self.score(rollout)
+        return StepSample(rollout, self.job.rollout.prompts_per_step)
+
+    def rollout(
+        self, policy, examples: list[dict], *, step: int, policy_version: int, sampling_round: int = 0
+    ) -> RolloutResult:
         prompt_ids, messages, rows = zip(*(decode_prompt_row(example) for example in examples))
-        return generate_rollout(
+        rollout = generate_rollout(
             policy, self.tokenizer, prompt_ids, messages, rows, self.job.rollout,
-            seed=sampling_seed(self.job.train.seed, step, self.dist.rank), policy_version=policy_version,
+            seed=round_seed(self.job.train.seed, step, self.dist.rank, sampling_round), policy_version=policy_version,
             logprob_batch_size=self.geometry.micro_batch_size, behaviour_logprobs=self.needs_behaviour_logprobs(),
         )
+        if self.job.rl.mask_truncated:
+            rollout.loss_rows = ~rollout.truncated
+        return rollout
 
     def needs_behaviour_logprobs(self) -> bool:
         """Whether the loss needs the sampling policy's log-probs recomputed at rollout time."""
         return True
 
     def score(self, rollout: RolloutResult) -> None:
-        """Set `rollout.rewards` [N] (and its components) from the `reward:` section."""
+        """Set `rollout.rewards` [N] (and its components) from the `reward:` section, plus rl.overlong_penalty.
+        `sample` scores every rollout; a rollout already scored is left as it is."""
+        if rollout.rewards is not None:
+            return
         scores = self.reward(reward_inputs(rollout))
         device = rollout.response_ids.device
         rollout.rewards = scores.total.to(device)
         rollout.reward_components = {name: values.to(device) for name, values in scores.components.items()}
+        settings = self.job.rl.overlong_penalty
+        if settings is not None:
+            lengths = rollout.response_mask.sum(dim=1)  # tokens, EOS included
+            rollout.overlong_penalties = overlong_penalty(
+                lengths, max_tokens=settings.max_tokens or self.job.rollout.max_new_tokens,
+                buffer_tokens=settings.buffer_tokens, penalty_factor=settings.penalty_factor,
+            )
+            rollout.rewards = rollout.rewards + rollout.overlong_penalties
 
     def frozen_targets(self, rollout: RolloutResult) -> dict[str, torch.Tensor]:
         raise NotImplementedError
