@@ -255,19 +255,18 @@ def machine_memory() -> int:
 
 
 def render_table(plan: Plan) -> str:
-    def gib(value: int) -> str:
-        return f"{value / GIB:10.3f}"
-
+    """Rows per component, GPU and host columns per rank, in GiB when a total reaches 10 GiB, else MiB."""
+    unit, scale = ("GiB", GIB) if max(plan.gpu_total, plan.host_total) >= 10 * GIB else ("MiB", 1024**2)
     width = max(len(row.component) for row in plan.rows) + 2
     lines = [
         f"{plan.train_type}: {plan.policy_parameters:,} parameters, {plan.precision}, ZeRO-{plan.zero_stage}, "
-        f"{plan.world_size} rank(s); GiB per rank",
-        f"{'component':<{width}}{'GPU':>10}{'host':>10}",
+        f"{plan.world_size} rank(s); {unit} per rank",
+        f"{'component':<{width}}{'GPU':>12}{'host':>12}",
     ]
-    lines += [f"{row.component:<{width}}{gib(row.gpu)}{gib(row.host)}" for row in plan.rows if row.gpu or row.host]
-    lines.append(f"{'total':<{width}}{gib(plan.gpu_total)}{gib(plan.host_total)}")
+    lines += [f"{row.component:<{width}}{row.gpu / scale:12.1f}{row.host / scale:12.1f}" for row in plan.rows if row.gpu or row.host]
+    lines.append(f"{'total':<{width}}{plan.gpu_total / scale:12.1f}{plan.host_total / scale:12.1f}")
     limits = f"host {plan.host_limit / GIB:.1f} GiB" + (f", GPU {plan.gpu_limit / GIB:.1f} GiB" if plan.gpu_limit else "")
-    lines.append(f"checkpoint on disk: {plan.checkpoint_bytes / GIB:.3f} GiB (all ranks' shards)")
+    lines.append(f"checkpoint on disk: {plan.checkpoint_bytes / scale:.1f} {unit} (all ranks' shards)")
     lines.append(f"fits: {'yes' if plan.fits else 'NO'} ({limits} per rank)")
     return "\n".join(lines)
 

@@ -36,7 +36,7 @@ PEAK_OF_CHILDREN = (
     "print('PEAK_KIB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, done.returncode)"
 )
 BASELINE = (
-    "import resource, deepspeed, torch, transformers, datasets; import astrai.build, astrai.trainer; "
+    "import resource, deepspeed, torch, transformers, datasets; import astrai.build, astrai.trainer, astrai.strategies, astrai.checkpoint, astrai.preflight, astrai.export; "
     "from astrai.engine import setup_distributed; setup_distributed(60); "
     "print('PEAK_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, 0)"
 )
