@@ -24,9 +24,10 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 
 GIB = 1024**3
-# Peak RSS of one rank with nothing trained: python + torch + deepspeed + transformers + datasets imported
-# and a one-rank gloo group started (benchmarks/plan_memory.py measures it; this machine, CPU build).
-RUNTIME_BASELINE_BYTES = 620 * 1024**2
+# Peak RSS of a rank whose model is negligible: a real 3-step sft run of a ~5k-parameter Llama (python, torch,
+# deepspeed, transformers, datasets, the data, tokenizer and trainer; benchmarks/plan_memory.py, this machine,
+# CPU build: 632 MiB; the imports and a gloo group alone: 532 MiB).
+RUNTIME_BASELINE_BYTES = 632 * 1024**2
 # DeepSpeed's defaults (deepspeed/runtime/zero/config.py) when the resolved config leaves a key out.
 ZERO_DEFAULTS = {"reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e7,
                  "stage3_max_live_parameters": 1e9}
@@ -159,7 +160,8 @@ def engine_rows(name: str, parameters: int, ds_config: dict, precision: str, wor
     elif stage == 3:
         # Gathered full parameters in flight: the prefetch bucket (max_live_parameters is only a ceiling).
         live = min(parameters, zero_setting(zero, "stage3_prefetch_bucket_size"), zero_setting(zero, "stage3_max_live_parameters"))
-        buckets = int(min(parameters, zero_setting(zero, "reduce_bucket_size"))) * weight_bytes + int(live) * weight_bytes
+        # The reduce bucket, and the flat copy of it that DeepSpeed's reduce_scatter_coalesced makes (torch.cat).
+        buckets = 2 * int(min(parameters, zero_setting(zero, "reduce_bucket_size"))) * weight_bytes + int(live) * weight_bytes
     else:
         buckets = 0
     return [

@@ -2,8 +2,9 @@
 
     .venv/bin/python benchmarks/plan_memory.py [--sizes small,medium,large]
 
-1. the runtime baseline: the peak RSS of a rank that imports torch, deepspeed and astrai's trainer and
-   starts a one-rank gloo group, training nothing (astrai/plan.py RUNTIME_BASELINE_BYTES);
+1. the runtime baseline (astrai/plan.py RUNTIME_BASELINE_BYTES): the peak RSS of a real 3-step run of a
+   ~5k-parameter model minus its planned components (data, tokenizer, trainer, allocator included); and,
+   for comparison, of a process that only imports torch, deepspeed and astrai and starts a gloo group;
 2. per size: an `sft` job of a Llama built from `model.init`, 3 steps, launched with the real deepspeed
    launcher; the peak RSS of its largest rank (RUSAGE_CHILDREN of a wrapper process, so earlier runs do
    not count) against the plan's host total for that job (which includes the baseline).
@@ -26,9 +27,11 @@ from conftest import child_env, deepspeed_launcher, free_port  # noqa: E402
 
 # name: (model.init, ZeRO stage, ranks)
 SIZES = {
+    "baseline": ({"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}, 0, 1),
     "small": ({"hidden_size": 320, "intermediate_size": 864, "num_hidden_layers": 4, "num_attention_heads": 5}, 0, 1),
     "medium": ({"hidden_size": 640, "intermediate_size": 1728, "num_hidden_layers": 6, "num_attention_heads": 10}, 2, 2),
-    "large": ({"hidden_size": 1024, "intermediate_size": 2752, "num_hidden_layers": 10, "num_attention_heads": 16}, 3, 2),
+    "large": ({"hidden_size": 1024, "intermediate_size": 2752, "num_hidden_layers": 10, "num_attention_heads": 16}, 2, 2),
+    "large_zero3": ({"hidden_size": 1024, "intermediate_size": 2752, "num_hidden_layers": 10, "num_attention_heads": 16}, 3, 2),
 }
 # The wrapper reports the largest peak RSS (KiB on Linux) of every process it waited for, transitively.
 PEAK_OF_CHILDREN = (
@@ -81,7 +84,7 @@ def main() -> None:
     env = child_env()
     baseline = peak_kib([sys.executable, "-c", BASELINE], {**env, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                                                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
-    print(f"runtime baseline: {baseline / 1024:.0f} MiB peak RSS")
+    print(f"imports + one-rank gloo group: {baseline / 1024:.0f} MiB peak RSS")
     for name in args.sizes.split(","):
         init, stage, ranks = SIZES[name]
         with tempfile.TemporaryDirectory() as folder:
@@ -90,6 +93,13 @@ def main() -> None:
             launch = deepspeed_launcher() + [f"--num_gpus={ranks}", "--master_port", str(free_port()), "astrai/train.py", "--config", str(config)]
             measured = peak_kib([sys.executable, "-c", PEAK_OF_CHILDREN, *launch], env) * 1024
         ratio = plan["host_total"] / measured
+        if name == "baseline":
+            from astrai.plan import RUNTIME_BASELINE_BYTES
+
+            components = plan["host_total"] - RUNTIME_BASELINE_BYTES
+            print(f"runtime baseline: measured {measured / 2**20:.0f} MiB - planned components {components / 2**20:.1f} MiB "
+                  f"= {(measured - components) / 2**20:.0f} MiB (RUNTIME_BASELINE_BYTES: {RUNTIME_BASELINE_BYTES / 2**20:.0f} MiB)")
+            continue
         print(f"{name}: {plan['policy_parameters'] / 1e6:.1f}M parameters, ZeRO-{plan['zero_stage']}, {ranks} rank(s): "
               f"planned {plan['host_total'] / 2**20:.0f} MiB, measured peak RSS {measured / 2**20:.0f} MiB, plan/measured {ratio:.2f}")
 

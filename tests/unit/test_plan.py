@@ -53,7 +53,7 @@ def test_bytes_per_rank_follow_precision_stage_and_offload():
     config = zero_config(3, offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"}, stage3_prefetch_bucket_size=100)
     rows = by_name(engine_rows("critic", 1000, config, "fp32", 2))
     assert rows == {"critic parameters": (0, 2000), "critic gradients": (2000, 0), "critic fp32 master weights": (0, 2000),
-                    "critic Adam moments": (0, 4000), "critic ZeRO-3 buckets": (1000 * 4 + 100 * 4, 0)}
+                    "critic Adam moments": (0, 4000), "critic ZeRO-3 buckets": (2 * 1000 * 4 + 100 * 4, 0)}
 
 
 def test_activation_and_checkpoint_arithmetic():
