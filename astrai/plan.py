@@ -109,7 +109,8 @@ def tokenizer_size(job) -> int:
     from astrai.models.tokenizer import build_tokenizer
 
     data = job.data
-    fields = (data.text_field, data.messages_field, data.prompt_field, data.response_field, data.chosen_field, data.rejected_field)
+    fields = (data.text_field, data.messages_field, data.prompt_field, data.response_field)
+    fields += (data.chosen_field, data.rejected_field)
     with tempfile.TemporaryDirectory() as cache:  # the plan writes nothing into output_dir
         rows = load_rows(data.path, data.format, Path(cache))
         return len(build_tokenizer(job.tokenizer.build.kind, iter_texts(rows, fields), job.tokenizer.build.vocab_size))
@@ -159,17 +160,22 @@ def engine_rows(name: str, parameters: int, ds_config: dict, precision: str, wor
         buckets += int(min(parameters, zero_setting(zero, "allgather_bucket_size"))) * weight_bytes
     elif stage == 3:
         # Gathered full parameters in flight: the prefetch bucket (max_live_parameters is only a ceiling).
-        live = min(parameters, zero_setting(zero, "stage3_prefetch_bucket_size"), zero_setting(zero, "stage3_max_live_parameters"))
+        prefetch = zero_setting(zero, "stage3_prefetch_bucket_size")
+        live = min(parameters, prefetch, zero_setting(zero, "stage3_max_live_parameters"))
         # The reduce bucket, and the flat copy of it that DeepSpeed's reduce_scatter_coalesced makes (torch.cat).
-        buckets = 2 * int(min(parameters, zero_setting(zero, "reduce_bucket_size"))) * weight_bytes + int(live) * weight_bytes
+        reduce_bucket = int(min(parameters, zero_setting(zero, "reduce_bucket_size")))
+        buckets = (2 * reduce_bucket + int(live)) * weight_bytes
     else:
         buckets = 0
+    def placed(component: str, size: int, on_host: bool) -> Row:
+        return Row(f"{name} {component}", host=size) if on_host else Row(f"{name} {component}", gpu=size)
+
     return [
-        Row(f"{name} parameters", host=params) if offload_param else Row(f"{name} parameters", gpu=params),
-        Row(f"{name} gradients", gpu=grads),
-        Row(f"{name} fp32 master weights", host=master) if offload_optimizer else Row(f"{name} fp32 master weights", gpu=master),
-        Row(f"{name} Adam moments", host=moments) if offload_optimizer else Row(f"{name} Adam moments", gpu=moments),
-        Row(f"{name} ZeRO-{stage} buckets", gpu=buckets),
+        placed("parameters", params, offload_param),
+        placed("gradients", grads, False),
+        placed("fp32 master weights", master, offload_optimizer),
+        placed("Adam moments", moments, offload_optimizer),
+        placed(f"ZeRO-{stage} buckets", buckets, False),
     ]
 
 
@@ -217,7 +223,9 @@ def make_plan(job, source: str, world_size: int, gpu_memory_gib: float | None, h
     job = job.model_copy(update={"model": job.model.model_copy(update={"dtype": precision})})
     config = model_config(job, tokenizer_size(job))
     shape = count_shapes(config)
-    ds_config = engine_config(job, source, lr=job.train.lr, max_grad_norm=job.train.max_grad_norm, world_size=world_size)
+    ds_config = engine_config(
+        job, source, lr=job.train.lr, max_grad_norm=job.train.max_grad_norm, world_size=world_size,
+    )
     stage = ds_config["zero_optimization"]["stage"]
     weight_bytes = 2 if precision in ("bf16", "fp16") else 4
     plan = Plan(job.train.train_type, world_size, precision, stage, shape.parameters)
@@ -229,20 +237,24 @@ def make_plan(job, source: str, world_size: int, gpu_memory_gib: float | None, h
         train_type in ("grpo", "online_ppo") and job.rl.kl_coef > 0
     )
     if with_reference:  # a frozen engine: the policy's dtype, partitioned only under ZeRO-3
-        plan.rows.append(Row("reference parameters", gpu=shape.parameters * weight_bytes // (world_size if stage == 3 else 1)))
+        reference = shape.parameters * weight_bytes // (world_size if stage == 3 else 1)
+        plan.rows.append(Row("reference parameters", gpu=reference))
     if "critic" in strategy.engine_parts:
         critic_config = engine_config(
-            job, source, lr=job.critic.lr or job.train.lr, max_grad_norm=job.critic.max_grad_norm or job.train.max_grad_norm,
+            job, source, lr=job.critic.lr or job.train.lr,
+            max_grad_norm=job.critic.max_grad_norm or job.train.max_grad_norm,
             world_size=world_size, zero_stage=job.critic.zero_stage,
         )
         critic_parameters = count_shapes(config, critic=True).parameters
         plan.rows += engine_rows("critic", critic_parameters, critic_config, precision, world_size)
-        plan.checkpoint_bytes += checkpoint_bytes(critic_parameters, critic_config["zero_optimization"]["stage"], precision)
+        critic_stage = critic_config["zero_optimization"]["stage"]
+        plan.checkpoint_bytes += checkpoint_bytes(critic_parameters, critic_stage, precision)
     if train_type in ("grpo", "online_ppo") and stage == 3 and job.rollout.zero3_generation == "copy":
         # Engine.generation_module: a plain module of the policy's class and dtype, filled for the rollout.
         plan.rows.append(Row("ZeRO-3 generation copy", gpu=shape.parameters * weight_bytes))
     sequences, seq_len = sequence_geometry(job)
-    plan.rows.append(Row("activations", gpu=activation_bytes(shape, sequences, seq_len, precision, job.model.gradient_checkpointing)))
+    activations = activation_bytes(shape, sequences, seq_len, precision, job.model.gradient_checkpointing)
+    plan.rows.append(Row("activations", gpu=activations))
     plan.rows.append(Row("logits + log-softmax", gpu=sequences * seq_len * shape.vocab * 4 * 2))
     if not on_gpu:  # a CPU-only run holds everything in host memory
         plan.rows = [Row(row.component, 0, row.gpu + row.host) for row in plan.rows]
@@ -265,21 +277,30 @@ def render_table(plan: Plan) -> str:
         f"{plan.world_size} rank(s); {unit} per rank",
         f"{'component':<{width}}{'GPU':>12}{'host':>12}",
     ]
-    lines += [f"{row.component:<{width}}{row.gpu / scale:12.1f}{row.host / scale:12.1f}" for row in plan.rows if row.gpu or row.host]
+    for row in plan.rows:
+        if row.gpu or row.host:
+            lines.append(f"{row.component:<{width}}{row.gpu / scale:12.1f}{row.host / scale:12.1f}")
     lines.append(f"{'total':<{width}}{plan.gpu_total / scale:12.1f}{plan.host_total / scale:12.1f}")
-    limits = f"host {plan.host_limit / GIB:.1f} GiB" + (f", GPU {plan.gpu_limit / GIB:.1f} GiB" if plan.gpu_limit else "")
+    limits = f"host {plan.host_limit / GIB:.1f} GiB"
+    limits += f", GPU {plan.gpu_limit / GIB:.1f} GiB" if plan.gpu_limit else ""
     lines.append(f"checkpoint on disk: {plan.checkpoint_bytes / scale:.1f} {unit} (all ranks' shards)")
     lines.append(f"fits: {'yes' if plan.fits else 'NO'} ({limits} per rank)")
     return "\n".join(lines)
 
 
 def plan_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m astrai plan", description="Per-rank memory of a job, and whether it fits.")
+    parser = argparse.ArgumentParser(
+        prog="python -m astrai plan", description="Per-rank memory of a job, and whether it fits.",
+    )
     parser.add_argument("--config", required=True, help="job YAML")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a key, as train.py")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a key, as train.py",
+    )
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--gpus-per-node", type=int, default=1, help="ranks per node")
-    parser.add_argument("--gpu-memory-gib", type=float, default=None, help="memory of one GPU (default: plan for host memory)")
+    parser.add_argument(
+        "--gpu-memory-gib", type=float, default=None, help="memory of one GPU (default: plan for host memory)",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
     from astrai.config import ConfigError

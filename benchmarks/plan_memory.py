@@ -26,12 +26,17 @@ sys.path.insert(0, str(REPO / "tests"))
 from conftest import child_env, deepspeed_launcher, free_port  # noqa: E402
 
 # name: (model.init, ZeRO stage, ranks)
+def llama(hidden: int, intermediate: int, layers: int, heads: int) -> dict:
+    return {"hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
+            "num_attention_heads": heads}
+
+
 SIZES = {
-    "baseline": ({"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}, 0, 1),
-    "small": ({"hidden_size": 320, "intermediate_size": 864, "num_hidden_layers": 4, "num_attention_heads": 5}, 0, 1),
-    "medium": ({"hidden_size": 640, "intermediate_size": 1728, "num_hidden_layers": 6, "num_attention_heads": 10}, 2, 2),
-    "large": ({"hidden_size": 1024, "intermediate_size": 2752, "num_hidden_layers": 10, "num_attention_heads": 16}, 2, 2),
-    "large_zero3": ({"hidden_size": 1024, "intermediate_size": 2752, "num_hidden_layers": 10, "num_attention_heads": 16}, 3, 2),
+    "baseline": (llama(16, 32, 1, 2), 0, 1),
+    "small": (llama(320, 864, 4, 5), 0, 1),
+    "medium": (llama(640, 1728, 6, 10), 2, 2),
+    "large": (llama(1024, 2752, 10, 16), 2, 2),
+    "large_zero3": (llama(1024, 2752, 10, 16), 3, 2),
 }
 # The wrapper reports the largest peak RSS (KiB on Linux) of every process it waited for, transitively.
 PEAK_OF_CHILDREN = (
@@ -39,7 +44,8 @@ PEAK_OF_CHILDREN = (
     "print('PEAK_KIB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, done.returncode)"
 )
 BASELINE = (
-    "import resource, deepspeed, torch, transformers, datasets; import astrai.build, astrai.trainer, astrai.strategies, astrai.checkpoint, astrai.preflight, astrai.export; "
+    "import resource, deepspeed, torch, transformers, datasets; "
+    "import astrai.build, astrai.trainer, astrai.strategies, astrai.checkpoint, astrai.preflight, astrai.export; "
     "from astrai.engine import setup_distributed; setup_distributed(60); "
     "print('PEAK_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, 0)"
 )
@@ -56,8 +62,8 @@ def peak_kib(command: list[str], env: dict) -> int:
 def write_job(folder: Path, init: dict, stage: int) -> Path:
     job = {
         "output_dir": str(folder / "run"),
-        "model": {"init": {"model_type": "llama", "num_key_value_heads": init["num_attention_heads"], "max_position_embeddings": 64,
-                           "tie_word_embeddings": True, **init}},
+        "model": {"init": {"model_type": "llama", "num_key_value_heads": init["num_attention_heads"],
+                           "max_position_embeddings": 64, "tie_word_embeddings": True, **init}},
         "tokenizer": {"build": {"kind": "char"}},
         "data": {"path": str(REPO / "data/arithmetic/sft.jsonl"), "max_seq_len": 64},
         "train": {"train_type": "sft", "max_steps": 3, "micro_batch_size": 4, "lr": 1e-3, "seed": 1},
@@ -82,26 +88,30 @@ def main() -> None:
     parser.add_argument("--sizes", default=",".join(SIZES))
     args = parser.parse_args()
     env = child_env()
-    baseline = peak_kib([sys.executable, "-c", BASELINE], {**env, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-                                                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    one_rank = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(free_port())}
+    baseline = peak_kib([sys.executable, "-c", BASELINE], {**env, **one_rank})
     print(f"imports + one-rank gloo group: {baseline / 1024:.0f} MiB peak RSS")
     for name in args.sizes.split(","):
         init, stage, ranks = SIZES[name]
         with tempfile.TemporaryDirectory() as folder:
             config = write_job(Path(folder), init, stage)
             plan = planned(config, ranks)
-            launch = deepspeed_launcher() + [f"--num_gpus={ranks}", "--master_port", str(free_port()), "astrai/train.py", "--config", str(config)]
+            launch = deepspeed_launcher() + [f"--num_gpus={ranks}", "--master_port", str(free_port())]
+            launch += ["astrai/train.py", "--config", str(config)]
             measured = peak_kib([sys.executable, "-c", PEAK_OF_CHILDREN, *launch], env) * 1024
         ratio = plan["host_total"] / measured
         if name == "baseline":
             from astrai.plan import RUNTIME_BASELINE_BYTES
 
             components = plan["host_total"] - RUNTIME_BASELINE_BYTES
-            print(f"runtime baseline: measured {measured / 2**20:.0f} MiB - planned components {components / 2**20:.1f} MiB "
-                  f"= {(measured - components) / 2**20:.0f} MiB (RUNTIME_BASELINE_BYTES: {RUNTIME_BASELINE_BYTES / 2**20:.0f} MiB)")
+            print(f"runtime baseline: measured {measured / 2**20:.0f} MiB - planned components "
+                  f"{components / 2**20:.1f} MiB = {(measured - components) / 2**20:.0f} MiB "
+                  f"(RUNTIME_BASELINE_BYTES: {RUNTIME_BASELINE_BYTES / 2**20:.0f} MiB)")
             continue
         print(f"{name}: {plan['policy_parameters'] / 1e6:.1f}M parameters, ZeRO-{plan['zero_stage']}, {ranks} rank(s): "
-              f"planned {plan['host_total'] / 2**20:.0f} MiB, measured peak RSS {measured / 2**20:.0f} MiB, plan/measured {ratio:.2f}")
+              f"planned {plan['host_total'] / 2**20:.0f} MiB, measured peak RSS {measured / 2**20:.0f} MiB, "
+              f"plan/measured {ratio:.2f}")
 
 
 if __name__ == "__main__":
