@@ -111,6 +111,9 @@ def tokenizer_size(job) -> int:
     data = job.data
     fields = (data.text_field, data.messages_field, data.prompt_field, data.response_field)
     fields += (data.chosen_field, data.rejected_field)
+    import datasets
+
+    datasets.disable_progress_bars()  # the table is the output
     with tempfile.TemporaryDirectory() as cache:  # the plan writes nothing into output_dir
         rows = load_rows(data.path, data.format, Path(cache))
         return len(build_tokenizer(job.tokenizer.build.kind, iter_texts(rows, fields), job.tokenizer.build.vocab_size))
