@@ -6,6 +6,7 @@
   config-docs                    print the job config reference (docs/guides/config.md)
   launch --config <job.yaml>     start a job on the nodes of its hostfile (docs/guides/distributed.md)
   convert <checkpoint>           a checkpoint's portable form, to resume on another topology (docs/guides/checkpoints.md)
+  plan --config <job.yaml>       per-rank memory of every engine and whether it fits (docs/guides/memory.md)
 """
 
 from __future__ import annotations
@@ -62,7 +63,13 @@ def _convert(argv: list[str]) -> int:
     return convert_main(argv)
 
 
-TOOLS = {"plot": _plot, "verify": _verify, "export-hf": _export_hf, "config-docs": _config_docs, "launch": _launch, "convert": _convert}
+def _plan(argv: list[str]) -> int:
+    from astrai.plan import plan_main
+
+    return plan_main(argv)
+
+
+TOOLS = {"plot": _plot, "verify": _verify, "export-hf": _export_hf, "config-docs": _config_docs, "launch": _launch, "convert": _convert, "plan": _plan}
 
 
 def main(argv: list[str] | None = None) -> int:
