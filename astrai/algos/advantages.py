@@ -23,6 +23,17 @@ Whitening the advantages (`masked.masked_whiten`) is left to the caller.
 import torch
 
 
+def _groups(rewards: torch.Tensor, group_size: int, why_two: str) -> torch.Tensor:
+    """rewards [num_prompts * group_size] (groups contiguous) as [num_prompts, group_size], checked."""
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [num_prompts * group_size], got shape {tuple(rewards.shape)}")
+    if group_size < 2:
+        raise ValueError(f"group_size must be >= 2 ({why_two}), got {group_size}")
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    return rewards.reshape(-1, group_size)
+
+
 def grpo_advantages(
     rewards: torch.Tensor, group_size: int, *, normalize_std: bool = True, eps: float = 1e-6
 ) -> torch.Tensor:
@@ -33,13 +44,7 @@ def grpo_advantages(
     (r - group mean) / (group std + eps), or r - group mean when `normalize_std` is False.
     A group whose rewards are all equal gets advantages 0 (no learning signal).
     """
-    if rewards.dim() != 1:
-        raise ValueError(f"rewards must be 1-D [num_prompts * group_size], got shape {tuple(rewards.shape)}")
-    if group_size < 2:
-        raise ValueError(f"group_size must be >= 2 (a group of one has no baseline), got {group_size}")
-    if rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
-    grouped = rewards.reshape(-1, group_size)
+    grouped = _groups(rewards, group_size, "a group of one has no baseline")
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if normalize_std:
         centred = centred / (grouped.std(dim=1, keepdim=True, unbiased=True) + eps)
@@ -52,13 +57,7 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     rewards: [num_prompts * group_size], groups contiguous as in `grpo_advantages`. Returns the same
     shape. No std division (RLOO has none); a group of equal rewards gets 0.
     """
-    if rewards.dim() != 1:
-        raise ValueError(f"rewards must be 1-D [num_prompts * group_size], got shape {tuple(rewards.shape)}")
-    if group_size < 2:
-        raise ValueError(f"group_size must be >= 2 (leave-one-out needs another response), got {group_size}")
-    if rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
-    grouped = rewards.reshape(-1, group_size)
+    grouped = _groups(rewards, group_size, "leave-one-out needs another response")
     others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
     return (grouped - others_mean).reshape(-1)
 
