@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from astrai.errors import AstraiError
+
 logger = logging.getLogger("astrai.export")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -36,7 +38,7 @@ PARTS = ("policy", "critic")
 LARGE_MODEL_BYTES = 2**30  # fp32 size above which the progress bar shows even when stderr is not a terminal
 
 
-class ExportError(Exception):
+class ExportError(AstraiError):
     """An export that cannot be made; the message says which checkpoint or folder, and why."""
 
 
@@ -494,7 +496,7 @@ def export_main(argv: list[str]) -> int:
                 checkpoint, args.destination, dtype=args.dtype, part=args.part, verify=not args.no_verify,
                 overwrite=args.overwrite, max_shard_size=args.max_shard_size, tokenizer_dir=args.tokenizer_dir,
             )
-    except (ExportError, CheckpointError, OSError, ValueError) as error:
+    except (AstraiError, OSError, ValueError) as error:  # the checkpoint's, the tokenizer's, the model's
         message = " ".join(str(error).split())  # one line, whatever the wrapped error looked like
         print(f"astrai export-hf: {message}", file=sys.stderr)
         return 1

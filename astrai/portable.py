@@ -38,6 +38,7 @@ from safetensors.torch import save_file
 
 from astrai.checkpoint import CheckpointError
 from astrai.engine import PARAMETER_NAMES_KEY, load_tensor_file, weights_only_torch_load
+from astrai.errors import AstraiError
 
 logger = logging.getLogger("astrai.portable")
 
@@ -48,7 +49,7 @@ STATE_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 
 
-class PortableError(ValueError):
+class PortableError(AstraiError, ValueError):
     """A DeepSpeed folder that cannot be read into the portable form, or a bad portable part."""
 
 

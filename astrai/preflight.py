@@ -43,6 +43,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Mapping, MutableMapping
 
+from astrai.errors import AstraiError
+
 logger = logging.getLogger("astrai.preflight")
 
 LAUNCHER_VARIABLE = "ASTR_LAUNCHER"  # written by `python -m astrai launch` into the env file of openmpi/slurm jobs
@@ -57,7 +59,7 @@ CHECKED_VERSIONS = ("torch", "deepspeed")  # ranks that differ here disagree on 
 TOPOLOGY_TIMEOUT_S = 15.0
 
 
-class PreflightError(RuntimeError):
+class PreflightError(AstraiError, RuntimeError):
     """The ranks of a job do not match (versions, devices); the message names the nodes and ranks."""
 
 

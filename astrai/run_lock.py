@@ -33,6 +33,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from astrai.errors import AstraiError
+
 logger = logging.getLogger("astrai.lock")
 
 LOCK_NAME = ".astrai.lock"
@@ -41,7 +43,7 @@ HEARTBEAT_S = 20.0
 STALE_AFTER_S = 120.0  # a record of another host not refreshed for this long belongs to a dead job
 
 
-class OutputDirLockedError(RuntimeError):
+class OutputDirLockedError(AstraiError, RuntimeError):
     """Another live job writes into this output_dir; the message names it (host, pid, start time)."""
 
 

@@ -122,19 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     apply_environment(job.runtime.environment)
 
     from astrai.build import build_run
-    from astrai.checkpoint import CheckpointError
     from astrai.config import dump_job
-    from astrai.data.sources import DataError
-    from astrai.engine import CollectiveStalledError, all_gather_objects, set_log_format, setup_distributed, shutdown_distributed, tune_malloc
+    from astrai.engine import all_gather_objects, set_log_format, setup_distributed, shutdown_distributed, tune_malloc
     from astrai.engine.distributed import RendezvousError
-    from astrai.export import ExportError
-    from astrai.models.policy import ModelError
-    from astrai.models.tokenizer import TokenizerError
-    from astrai.rollout.rewards import RewardError
+    from astrai.errors import AstraiError
     from astrai.launcher_watch import at_orphan_exit
-    from astrai.run_lock import OutputDirLockedError, agree_on_lock, describe_os_error, lock_for_this_rank
-    from astrai.preflight import PreflightError, preflight_check, prepare_rank_environment, write_rank_report
-    from astrai.trainer import TRAIN_LOOPS, NonFiniteError
+    from astrai.run_lock import agree_on_lock, describe_os_error, lock_for_this_rank
+    from astrai.preflight import preflight_check, prepare_rank_environment, write_rank_report
+    from astrai.trainer import TRAIN_LOOPS
 
     prepare_rank_environment()  # ranks started by mpirun/srun get torch's RANK, WORLD_SIZE, LOCAL_RANK
     # Before the rendezvous (the launcher's RANK names the rank), so what setup logs (the threads per rank) is shown.
@@ -173,8 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:  # found only once the ranks are known (e.g. a batch that does not split over them)
         logger.error("%s: %s", args.config, error)
         return 2
-    except (DataError, ModelError, TokenizerError, CheckpointError, ExportError, PreflightError, RewardError,
-            CollectiveStalledError, NonFiniteError, OutputDirLockedError) as error:
+    except AstraiError as error:  # data, model, tokenizer, checkpoint, export, rewards, lock, a non-finite loss, ...
         logger.error("%s", error, exc_info=bool(os.environ.get("ASTR_DEBUG")))
         return 1
     except OSError as error:  # output_dir read-only or full mid-run (the checkpoint publisher names its own)

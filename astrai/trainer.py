@@ -23,11 +23,12 @@ from astrai.checkpointing import TrainingCheckpoints, TrainerState
 from astrai.engine import Engine, all_reduce_sum, all_reduce_sums
 from astrai.metrics import MetricsLog
 from astrai.rollout import rollout_metrics
+from astrai.errors import AstraiError
 
 logger = logging.getLogger("astrai.trainer")
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(AstraiError, RuntimeError):
     """A non-finite loss or gradient norm stopped the run (`train.on_nonfinite: stop`, or an update that
     could not be skipped); nothing of the step was published."""
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from astrai.errors import AstraiError
 
-class CheckpointError(RuntimeError):
+
+class CheckpointError(AstraiError, RuntimeError):
     """A checkpoint could not be published, read or found; the message says what and where."""
 
 

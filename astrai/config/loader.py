@@ -16,9 +16,10 @@ import yaml
 from pydantic import ValidationError
 
 from astrai.config.schema import JobConfig
+from astrai.errors import AstraiError
 
 
-class ConfigError(Exception):
+class ConfigError(AstraiError):
     """A job file that cannot run; the message names the file, the key path and (when known) the line."""
 
 

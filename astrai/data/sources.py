@@ -14,13 +14,15 @@ from pathlib import Path
 
 import datasets
 
+from astrai.errors import AstraiError
+
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
 SCAN_CHUNK_BYTES = 1 << 24
 
 logger = logging.getLogger("astrai.data")
 
 
-class DataError(Exception):
+class DataError(AstraiError):
     """Unreadable data or a malformed row; the message names the file and the row."""
 
 

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from astrai.errors import AstraiError
+
 logger = logging.getLogger("astrai.engine")
 
 
@@ -29,7 +31,7 @@ class DistInfo:
         return self.rank == 0
 
 
-class RendezvousError(RuntimeError):
+class RendezvousError(AstraiError, RuntimeError):
     """The ranks could not meet: the launcher's rendezvous port is taken; the message names it and the fix."""
 
 
@@ -159,7 +161,7 @@ def _bound_deepspeed_world_group(timeout_s: float) -> None:
         ds_groups._WORLD_GROUP = dist.new_group(ranks=list(range(dist.get_world_size())), timeout=timedelta(seconds=timeout_s))
 
 
-class CollectiveStalledError(RuntimeError):
+class CollectiveStalledError(AstraiError, RuntimeError):
     """A collective outside the checkpoint saves did not complete: a rank died, hung or lags elsewhere."""
 
 

@@ -11,6 +11,8 @@ from typing import Any, Callable
 
 import torch
 
+from astrai.errors import AstraiError
+
 logger = logging.getLogger("astrai.engine")
 
 # Sections of a DeepSpeed config that must be JSON objects (DeepSpeed would fail on anything else with a TypeError).
@@ -23,7 +25,7 @@ SECTION_OF_MODEL = {
 }
 
 
-class DeepSpeedConfigError(ValueError):
+class DeepSpeedConfigError(AstraiError, ValueError):
     """A DeepSpeed template or `deepspeed.overrides` that DeepSpeed would refuse; the message names the file or key."""
 
 

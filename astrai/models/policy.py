@@ -14,6 +14,8 @@ from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from astrai.errors import AstraiError
+
 logger = logging.getLogger("astrai.models")
 
 # Names of the dropout probabilities transformers models keep besides nn.Dropout modules: config fields
@@ -25,7 +27,7 @@ DROPOUT_NAME = re.compile(r"dropout|pdrop|layerdrop", re.IGNORECASE)
 CONFIG_ERRORS = (ValueError, TypeError, KeyError, StrictDataclassError)
 
 
-class ModelError(Exception):
+class ModelError(AstraiError):
     """A model that cannot be built or loaded; the message names the key and the reason."""
 
 

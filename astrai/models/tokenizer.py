@@ -17,6 +17,8 @@ from pathlib import Path
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from astrai.errors import AstraiError
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -28,7 +30,7 @@ TOKENIZER_DIR = "tokenizer"  # in every checkpoint, and in output_dir for a buil
 logger = logging.getLogger("astrai.tokenizer")
 
 
-class TokenizerError(Exception):
+class TokenizerError(AstraiError):
     """A tokenizer that cannot be loaded or built; the message says which and why."""
 
 

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from astrai.errors import AstraiError
+
 INPUT_NAMES = ("prompts", "responses", "prompt_ids", "response_ids", "messages", "rows")
 RETRYABLE_HTTP_STATUS = {408, 429, 500, 502, 503, 504}
 HTTP_SCHEMES = ("http", "https")
@@ -39,7 +41,7 @@ DEFAULT_MAX_RESPONSE_BYTES = 16 * 2**20  # reward.max_response_bytes: a few floa
 RESPONSE_CHUNK_BYTES = 64 * 2**10
 
 
-class RewardError(Exception):
+class RewardError(AstraiError):
     """A reward that cannot be loaded or did not return one finite float per response."""
 
 
