@@ -485,7 +485,6 @@ def export_main(argv: list[str]) -> int:
     except SystemExit as exit_request:  # argparse exits on bad arguments and --help; return its status
         return int(exit_request.code or 0)
     logging.basicConfig(level=logging.INFO, format="astrai export-hf: %(message)s")
-    from astrai.checkpoint import CheckpointError
 
     try:
         # stdout carries the destination alone (`dest=$(python -m astrai export-hf ...)`); DeepSpeed prints

@@ -36,6 +36,7 @@ the accelerator's ['NCCL']), and with no_ssh the ranks would inherit them all.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import os
 import re
@@ -347,10 +348,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def launch_main(argv: list[str] | None = None) -> int:
     """Exit status: the launcher's (0 when every rank succeeded); 2 when the job or host list is wrong; 1 when output_dir is in use."""
     args = parse_args(argv)
-    from astrai.train import load_and_check  # the very checks every rank runs on the job file
+    from astrai.job_checks import load_and_check  # the very checks every rank runs on the job file
 
     try:
-        job = load_and_check(args.config, args.set)
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is the command; DeepSpeed's import says things
+            job = load_and_check(args.config, args.set)
         plan = plan_launch(job, args.config, args.set, node_rank=args.node_rank, check=args.check, launcher_args=args.launcher_args)
         if not args.dry_run:
             require_programs(job.infra.launcher)

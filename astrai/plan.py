@@ -16,6 +16,7 @@ parameter follow DeepSpeed's optimizers (docs/guides/memory.md):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -307,13 +308,14 @@ def plan_main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
     from astrai.config import ConfigError
-    from astrai.train import load_and_check
+    from astrai.job_checks import load_and_check
 
     world_size = args.nodes * args.gpus_per_node
     saved = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(world_size)  # load_and_check checks batch splits for this many ranks
     try:
-        job = load_and_check(args.config, args.set)
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is the plan; DeepSpeed's import says things
+            job = load_and_check(args.config, args.set)
     except ConfigError as error:
         print(f"astrai: {error}", file=sys.stderr)
         return 2

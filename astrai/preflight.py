@@ -24,11 +24,7 @@ import os
 import sys
 
 if __package__ in (None, ""):
-    # Run as a script, Python puts astrai/ itself first on sys.path, where our `config`, `data`, ...
-    # would shadow any top-level module of the same name; put the repository root there instead.
-    _here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
-    sys.path.insert(0, os.path.dirname(_here))
+    import _script_path  # noqa: F401  (run as a script: astrai/_script_path.py puts the repository root first)
 
 import argparse
 import glob

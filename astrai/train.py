@@ -10,15 +10,13 @@ import os
 import sys
 
 if __package__ in (None, ""):
-    # Run as a script, Python puts astrai/ itself first on sys.path, where our `config`, `data`, ...
-    # would shadow any top-level module of the same name; put the repository root there instead.
-    _here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
-    sys.path.insert(0, os.path.dirname(_here))
+    import _script_path  # noqa: F401  (run as a script: astrai/_script_path.py puts the repository root first)
 
 import argparse
 import logging
 from pathlib import Path
+
+from astrai.job_checks import check_job_parts, load_and_check  # noqa: F401  (run_plan.py and tests import them here)
 
 logger = logging.getLogger("astrai")
 
@@ -36,69 +34,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.set = args.set + [f"{key}={getattr(args, option)!r}" for option, key in SHORTHANDS.items() if getattr(args, option) is not None]
     return args
-
-
-def load_and_check(config_path: str, overrides: list[str]):
-    """Everything that can be wrong with the job file, found before any rank does work."""
-    from astrai.config import ConfigError, load_job
-    from astrai.strategies import strategy_class
-
-    job = load_job(config_path, overrides)
-    try:
-        strategy = strategy_class(job.train.train_type)
-    except KeyError as error:
-        raise ConfigError(f"{config_path}: {error.args[0]}") from None
-    output_dir, hf_dir = Path(job.output_dir).resolve(), Path(job.export.hf_dir).resolve()
-    if job.export.on_finish and (hf_dir == output_dir or hf_dir in output_dir.parents):  # an export replaces it whole
-        raise ConfigError(
-            f"{config_path}: `export.hf_dir` {job.export.hf_dir!r} is or contains `output_dir`: the export at the end "
-            "would replace the run; use e.g. <output_dir>/hf"
-        )
-    # The launcher exports WORLD_SIZE before it starts the ranks, so batch splits are checked here too.
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        strategy.check_job(job, world_size)
-    except ConfigError as error:
-        raise ConfigError(f"{config_path}: {error}") from None
-    check_job_parts(job, config_path, world_size)
-    return job
-
-
-def check_job_parts(job, config_path: str, world_size: int) -> None:
-    """What only the libraries behind a job can judge (DeepSpeed's config parser, the transformers config
-    of the model, the reward's Python module), judged before any rank starts: ConfigError naming file and key."""
-    from astrai.build import engine_config
-    from astrai.config import ConfigError
-    from astrai.config.schema import known_log_level
-    from astrai.engine.ds_config import DeepSpeedConfigError, check_ds_config
-    from astrai.models.policy import check_model_config
-    from astrai.rollout.rewards import RewardError, load_function
-
-    level = job.runtime.environment.get("ASTR_LOG_LEVEL", os.environ.get("ASTR_LOG_LEVEL"))
-    try:
-        if level:
-            known_log_level(level)
-    except ValueError as error:
-        raise ConfigError(f"{config_path}: ASTR_LOG_LEVEL (runtime.environment or the shell): {error}") from None
-    sources = [f"template {job.deepspeed.config}"] * bool(job.deepspeed.config)
-    sources += ["deepspeed.overrides"] * bool(job.deepspeed.overrides)
-    try:
-        for zero_stage in (None, job.critic.zero_stage) if job.train.train_type == "online_ppo" else (None,):
-            config = engine_config(job, config_path, lr=job.train.lr, max_grad_norm=job.train.max_grad_norm,
-                                   world_size=world_size, zero_stage=zero_stage)
-            check_ds_config(config, f"the DeepSpeed config ({' + '.join(sources) or 'defaults'})")
-    except DeepSpeedConfigError as error:
-        raise ConfigError(f"{config_path}: {error}") from None
-    problem = check_model_config(job.model)
-    if problem:
-        raise ConfigError(f"{config_path}: {problem}")
-    reward = job.reward
-    specs = [reward.function] + [component.function for component in reward.components or []] if reward else []
-    for spec in filter(None, specs):
-        try:
-            load_function(spec)
-        except RewardError as error:
-            raise ConfigError(f"{config_path}: {error}") from None
 
 
 def apply_environment(environment: dict) -> None:

@@ -22,8 +22,8 @@ INTERNAL = {
 def error_classes() -> dict[str, type]:
     found = {}
     for module_info in pkgutil.walk_packages(astrai.__path__, "astrai."):
-        if module_info.name in ("astrai.train", "astrai.__main__"):
-            continue  # entry points: they define no errors
+        if module_info.name in ("astrai.train", "astrai.__main__", "astrai._script_path"):
+            continue  # entry points and the scripts' path fix: they define no errors
         module = importlib.import_module(module_info.name)
         for name, value in vars(module).items():
             if inspect.isclass(value) and issubclass(value, Exception) and value.__module__ == module.__name__:

@@ -539,3 +539,18 @@ def test_the_example_multinode_job_validates_and_renders_cleanly():
     assert (len(job.infra.nodes), job.infra.gpus_per_node) == (2, 8)
     values, warnings = launch.check_environment(job.runtime.environment, job.infra.launcher)
     assert values["NCCL_NVLS_ENABLE"] == "1" and warnings == []
+
+
+def test_dry_run_stdout_is_the_command_alone_in_a_fresh_process(tmp_path):
+    """`cmd=$(python -m astrai launch --dry-run ...)` must get the command and nothing else: the job checks
+    import DeepSpeed, whose first import logs its accelerator choice on stdout (in this test process an
+    earlier test has imported it already, so only a fresh process shows it)."""
+    nodes = "infra:\n  launcher: pdsh\n  nodes: [{host: localhost, slots: 1}, {host: 127.0.0.1, slots: 1}]\n"
+    config = write_job(tmp_path, nodes)
+    finished = subprocess.run(
+        [sys.executable, "-m", "astrai", "launch", "--config", config, "--dry-run"],
+        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert finished.returncode == 0, finished.stderr
+    lines = finished.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("env DS_ENV_FILE="), finished.stdout
