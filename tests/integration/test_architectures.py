@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.conftest import REPO
 from tests.integration.plan import launch_plan, metrics
+from tests.integration.test_export_ranks import logits_of, trained_model, zero_stage_written
 
 pytestmark = pytest.mark.slow
 
@@ -103,27 +104,6 @@ def launched(request, tmp_path_factory) -> tuple[Path, dict, int, int]:
     return folder, launch_plan(folder, runs, ranks=ranks), ranks, zero_stage
 
 
-def checkpoint_model(checkpoint: Path):
-    """The trained model without the export code: consolidated checkpoint weights into build_policy's model."""
-    from astrai.config import load_job
-    from astrai.engine import consolidated_state_dict
-    from astrai.models.policy import build_policy
-    from astrai.models.tokenizer import load_tokenizer
-
-    job = load_job(checkpoint / "job.yaml", check_paths=False)
-    model = build_policy(job.model, load_tokenizer(str(checkpoint.parent.parent / "tokenizer")), job.train.seed)
-    result = model.load_state_dict(consolidated_state_dict(checkpoint / "policy"), strict=False)
-    allowed_missing = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-    assert not result.unexpected_keys and set(result.missing_keys) <= allowed_missing, result
-    return model.eval()
-
-
-@torch.no_grad()
-def logits_of(model, vocab_size: int) -> torch.Tensor:
-    batch = torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    return model(input_ids=batch).logits.float()
-
-
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_sft_step_exports_the_checkpoints_logits(name, launched):
     folder, results, ranks, zero_stage = launched
@@ -131,9 +111,8 @@ def test_sft_step_exports_the_checkpoints_logits(name, launched):
     checkpoint = folder / f"{name}_sft" / "checkpoints" / "step_00000001"
     assert json.loads((checkpoint / "manifest.json").read_text())["world_size"] == ranks
     # Sharded as asked: a stage silently falling back would leave the ZeRO-3 consolidation untested.
-    shard = sorted((checkpoint / "policy").rglob("*optim_states.pt"))[0]
-    assert torch.load(shard, map_location="cpu", weights_only=False)["optimizer_state_dict"]["zero_stage"] == zero_stage
-    reference = checkpoint_model(checkpoint)
+    assert zero_stage_written(checkpoint) == zero_stage
+    reference = trained_model(checkpoint)
     loaded = AutoModelForCausalLM.from_pretrained(folder / f"{name}_hf", dtype=torch.float32).eval()
     assert loaded.config.model_type == ARCHITECTURES[name]["model_type"]
     assert type(loaded) is type(reference)
