@@ -7,6 +7,7 @@ import contextlib
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from astrai.config.schema import JobConfig
 from astrai.models.tokenizer import build_tokenizer
 
 ALPHABET = "0123456789+-= abcdefghijklmnopqrstuvwxyz\n"
@@ -46,3 +47,27 @@ class PlainEngine:
     @contextlib.contextmanager
     def generation_module(self, zero3_mode: str = "copy"):
         yield self.module
+
+
+def online_job(train_type: str, model_init: dict, **sections) -> JobConfig:
+    """A validated online job for in-process strategy tests: 3 steps, 2 prompts x 4 responses of at most 5
+    tokens, micro-batch 2 x 2 accumulation; each of `sections` (e.g. rl={...}) is merged over its section."""
+    raw = {
+        "output_dir": "/tmp/unused", "model": {"init": model_init}, "tokenizer": {"build": {"kind": "char"}},
+        "data": {"path": "unused.jsonl"},
+        "train": {"train_type": train_type, "max_steps": 3, "micro_batch_size": 2, "grad_accum_steps": 2},
+        "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 5},
+        "reward": {"function": "astrai.rollout.rewards:arithmetic_exact_match"},
+    }
+    for name, values in sections.items():
+        raw[name] = {**raw.get(name, {}), **values}
+    return JobConfig.model_validate(raw)
+
+
+class LengthReward:
+    """A reward that varies with every response: its length in characters."""
+
+    name = "length"
+
+    def __call__(self, inputs):
+        return [float(len(text)) for text in inputs["responses"]]

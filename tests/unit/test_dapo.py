@@ -21,21 +21,11 @@ from astrai.strategies.dynamic_sampling import deal_groups, plan_groups
 from astrai.strategies.grpo import GrpoStrategy
 from astrai.strategies.online import batch_geometry, round_seed
 from tests.conftest import REPO
-from tests.unit.rollout_fixtures import PlainEngine, tiny_model, tiny_tokenizer
+from tests.unit.rollout_fixtures import PlainEngine, online_job, tiny_model, tiny_tokenizer
 
 
 def job(**sections) -> JobConfig:
-    raw = {
-        "output_dir": "/tmp/unused", "model": {"init": {"model_type": "llama"}},
-        "tokenizer": {"build": {"kind": "char"}},
-        "data": {"path": "unused.jsonl"},
-        "train": {"train_type": "grpo", "max_steps": 3, "micro_batch_size": 2, "grad_accum_steps": 2},
-        "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 5},
-        "reward": {"function": "astrai.rollout.rewards:arithmetic_exact_match"},
-    }
-    for name, values in sections.items():
-        raw[name] = {**raw.get(name, {}), **values}
-    return JobConfig.model_validate(raw)
+    return online_job("grpo", {"model_type": "llama"}, **sections)
 
 
 # ----------------------------------------------------------------------------- pure math

@@ -23,29 +23,14 @@ from astrai.rollout.rewards import WeightedReward
 from astrai.rollout.sequences import response_logits, response_logprobs
 from astrai.strategies.online import batch_geometry
 from astrai.strategies.ppo import PPOStrategy
-from tests.unit.rollout_fixtures import PlainEngine, tiny_model, tiny_tokenizer
+from tests.unit.rollout_fixtures import LengthReward, PlainEngine, online_job, tiny_model, tiny_tokenizer
 
 TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": True}
 
 
 def job(**sections) -> JobConfig:
-    raw = {
-        "output_dir": "/tmp/unused", "model": {"init": TINY}, "tokenizer": {"build": {"kind": "char"}}, "data": {"path": "unused.jsonl"},
-        "train": {"train_type": "online_ppo", "max_steps": 3, "micro_batch_size": 2, "grad_accum_steps": 2},
-        "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 5},
-        "reward": {"function": "astrai.rollout.rewards:arithmetic_exact_match"},
-    }
-    for name, values in sections.items():
-        raw[name] = {**raw.get(name, {}), **values}
-    return JobConfig.model_validate(raw)
-
-
-class LengthReward:
-    name = "length"
-
-    def __call__(self, inputs):
-        return [float(len(text)) for text in inputs["responses"]]
+    return online_job("online_ppo", TINY, **sections)
 
 
 def ppo_with(config: JobConfig, tokenizer, critic: ValueModel, reference=None) -> PPOStrategy:

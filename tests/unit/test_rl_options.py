@@ -26,29 +26,13 @@ from astrai.strategies.grpo import GrpoStrategy
 from astrai.strategies.online import batch_geometry
 from astrai.strategies.ppo import PPOStrategy
 from astrai.models.value import ValueModel, trunk_of
-from tests.unit.rollout_fixtures import PlainEngine, tiny_model, tiny_tokenizer
+from tests.unit.rollout_fixtures import LengthReward, PlainEngine, online_job, tiny_model, tiny_tokenizer
 
 CPU = types.SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
 
 
 def job(train_type: str = "grpo", **sections) -> JobConfig:
-    raw = {
-        "output_dir": "/tmp/unused", "model": {"init": {"model_type": "llama"}},
-        "tokenizer": {"build": {"kind": "char"}}, "data": {"path": "unused.jsonl"},
-        "train": {"train_type": train_type, "max_steps": 3, "micro_batch_size": 2, "grad_accum_steps": 2},
-        "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 5},
-        "reward": {"function": "astrai.rollout.rewards:arithmetic_exact_match"},
-    }
-    for name, values in sections.items():
-        raw[name] = {**raw.get(name, {}), **values}
-    return JobConfig.model_validate(raw)
-
-
-class LengthReward:
-    name = "length"
-
-    def __call__(self, inputs):
-        return [float(len(text)) for text in inputs["responses"]]
+    return online_job(train_type, {"model_type": "llama"}, **sections)
 
 
 def strategy_with(config: JobConfig, tokenizer, policy, reference=None):
