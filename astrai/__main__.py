@@ -1,12 +1,12 @@
 """`python -m astrai <tool>`: the one home of AstrAI's command-line tools.
 
-  verify <checkpoint>            re-hash a checkpoint against its manifest
-  export-hf <checkpoint> <dest>  write a checkpoint as a Hugging Face model folder (docs/guides/export.md)
-  plot <output_dir> [-o png]     draw every metric (or --metrics a,b) of metrics.jsonl against the step
-  config-docs                    print the job config reference (docs/guides/config.md)
-  launch --config <job.yaml>     start a job on the nodes of its hostfile (docs/guides/distributed.md)
-  convert <checkpoint>           a checkpoint's portable form, to resume on another topology (docs/guides/checkpoints.md)
-  plan --config <job.yaml>       per-rank memory of every engine and whether it fits (docs/guides/memory.md)
+verify <checkpoint>            re-hash a checkpoint against its manifest
+export-hf <checkpoint> <dest>  write a checkpoint as a Hugging Face model folder (docs/guides/export.md)
+plot <output_dir> [-o png]     draw every metric (or --metrics a,b) of metrics.jsonl against the step
+config-docs                    print the job config reference (docs/guides/config.md)
+launch --config <job.yaml>     start a job on the nodes of its hostfile (docs/guides/distributed.md)
+convert <checkpoint>           a checkpoint's portable form, to resume on another topology (docs/guides/checkpoints.md)
+plan --config <job.yaml>       per-rank memory of every engine and whether it fits (docs/guides/memory.md)
 """
 
 from __future__ import annotations
@@ -16,10 +16,14 @@ import sys
 
 
 def _plot(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m astrai plot", description="Plot every numeric metric against the step.")
+    parser = argparse.ArgumentParser(
+        prog="python -m astrai plot", description="Plot every numeric metric against the step."
+    )
     parser.add_argument("output_dir", help="a run's output_dir (or a metrics.jsonl file)")
     parser.add_argument("-o", "--output", default=None, help="PNG path (default: <output_dir>/curves.png)")
-    parser.add_argument("--metrics", default=None, help="comma-separated metric names to draw, in that order (default: every one)")
+    parser.add_argument(
+        "--metrics", default=None, help="comma-separated metric names to draw, in that order (default: every one)"
+    )
     args = parser.parse_args(argv)
     from astrai.plot import plot_metrics
 
@@ -69,7 +73,15 @@ def _plan(argv: list[str]) -> int:
     return plan_main(argv)
 
 
-TOOLS = {"plot": _plot, "verify": _verify, "export-hf": _export_hf, "config-docs": _config_docs, "launch": _launch, "convert": _convert, "plan": _plan}
+TOOLS = {
+    "plot": _plot,
+    "verify": _verify,
+    "export-hf": _export_hf,
+    "config-docs": _config_docs,
+    "launch": _launch,
+    "convert": _convert,
+    "plan": _plan,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

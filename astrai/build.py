@@ -15,14 +15,28 @@ import torch
 from astrai.config import JobConfig, resolve_template
 from astrai.data.sampler import ShardedOrder
 from astrai.data.sources import iter_texts, load_rows
-from astrai.engine import DistInfo, Engine, barrier, build_ds_config, lr_lambda, make_engine, resolve_precision, zero3_loading
-from astrai.models.policy import build_policy
-from astrai.models.value import build_value_model
+from astrai.engine import (
+    DistInfo,
+    Engine,
+    barrier,
+    build_ds_config,
+    lr_lambda,
+    make_engine,
+    resolve_precision,
+    zero3_loading,
+)
 from astrai.models.checkpoint_weights import load_checkpoint_weights
+from astrai.models.policy import build_policy
 from astrai.models.tokenizer import (
-    TOKENIZER_DIR, TokenizerError, build_tokenizer, check_saved_tokenizer, load_tokenizer, require_chat_template,
+    TOKENIZER_DIR,
+    TokenizerError,
+    build_tokenizer,
+    check_saved_tokenizer,
+    load_tokenizer,
+    require_chat_template,
     save_tokenizer,
 )
+from astrai.models.value import build_value_model
 from astrai.strategies import Strategy, strategy_class
 
 logger = logging.getLogger("astrai.build")
@@ -48,7 +62,14 @@ class Run:
 
 def make_tokenizer(job: JobConfig, rows, output_dir: Path, is_main: bool):
     if job.tokenizer.build is not None:
-        fields = (job.data.text_field, job.data.messages_field, job.data.prompt_field, job.data.response_field, job.data.chosen_field, job.data.rejected_field)
+        fields = (
+            job.data.text_field,
+            job.data.messages_field,
+            job.data.prompt_field,
+            job.data.response_field,
+            job.data.chosen_field,
+            job.data.rejected_field,
+        )
         tokenizer = build_tokenizer(job.tokenizer.build.kind, iter_texts(rows, fields), job.tokenizer.build.vocab_size)
         if job.tokenizer.chat_template:
             tokenizer.chat_template = job.tokenizer.chat_template
@@ -102,7 +123,15 @@ def total_steps(job: JobConfig, num_samples: int, samples_per_step: int) -> int:
     return max(1, math.ceil(job.train.epochs * num_samples / samples_per_step))
 
 
-def engine_config(job: JobConfig, source: str, *, lr: float, max_grad_norm: float | None, world_size: int, zero_stage: int | None = None) -> dict:
+def engine_config(
+    job: JobConfig,
+    source: str,
+    *,
+    lr: float,
+    max_grad_norm: float | None,
+    world_size: int,
+    zero_stage: int | None = None,
+) -> dict:
     template = resolve_template(job.deepspeed.config, source) if job.deepspeed.config else None
     return build_ds_config(
         job.deepspeed,
@@ -130,8 +159,12 @@ def build_critic(job: JobConfig, dist: DistInfo, source: str, tokenizer, steps: 
     LR schedule over every step's updates (warmup rollouts included) and gradient clipping."""
     critic, train = job.critic, job.train
     ds_config = engine_config(
-        job, source, lr=critic.lr or train.lr, max_grad_norm=critic.max_grad_norm or train.max_grad_norm,
-        world_size=dist.world_size, zero_stage=critic.zero_stage,
+        job,
+        source,
+        lr=critic.lr or train.lr,
+        max_grad_norm=critic.max_grad_norm or train.max_grad_norm,
+        world_size=dist.world_size,
+        zero_stage=critic.zero_stage,
     )
     with zero3_loading(ds_config, job.model.zero3_init and (critic.path or job.model.path) is not None):
         model = build_value_model(job.model, tokenizer, train.seed, critic.path)
@@ -151,7 +184,8 @@ def build_policy_model(job: JobConfig, ds_config: dict, tokenizer):
         checkpoint = load_checkpoint_weights(model, start, tokenizer)
         logger.info(
             "model.init_from_checkpoint: policy weights of %s; optimizer, LR schedule, step and data position "
-            "start fresh", checkpoint,
+            "start fresh",
+            checkpoint,
         )
     return model
 
@@ -166,23 +200,36 @@ def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
     dataset, skipped = prepare_dataset(strategy, rows, dist.is_main)
     if skipped:
         logger.warning("skipped %d malformed rows (data.on_bad_row: skip)", skipped)
-    order = ShardedOrder(len(dataset), job.train.micro_batch_size, dist.world_size, dist.rank, job.train.seed, job.data.shuffle)
-    steps = total_steps(job, order.samples_per_epoch, job.train.micro_batch_size * job.train.grad_accum_steps * dist.world_size)
-    ds_config = engine_config(job, source, lr=job.train.lr, max_grad_norm=job.train.max_grad_norm, world_size=dist.world_size)
+    order = ShardedOrder(
+        len(dataset), job.train.micro_batch_size, dist.world_size, dist.rank, job.train.seed, job.data.shuffle
+    )
+    steps = total_steps(
+        job, order.samples_per_epoch, job.train.micro_batch_size * job.train.grad_accum_steps * dist.world_size
+    )
+    ds_config = engine_config(
+        job, source, lr=job.train.lr, max_grad_norm=job.train.max_grad_norm, world_size=dist.world_size
+    )
     model = build_policy_model(job, ds_config, tokenizer)
     # DeepSpeed steps the schedule once per optimizer update; an online step (one rollout) makes several.
     # The policy does not step during online_ppo's critic warmup rollouts, so its schedule spans the rest.
     updates = strategy.optimizer_steps_per_step(dist.world_size)
     policy_steps = steps - (job.critic.warmup_rollouts if "critic" in strategy.engine_parts else 0)
-    schedule = lr_lambda(policy_steps * updates, warmup_steps(job, policy_steps) * updates, job.train.lr_schedule, job.train.min_lr_ratio)
+    schedule = lr_lambda(
+        policy_steps * updates, warmup_steps(job, policy_steps) * updates, job.train.lr_schedule, job.train.min_lr_ratio
+    )
     policy = make_engine(model, ds_config, weight_decay=job.train.weight_decay, schedule=schedule)
     engines = {"policy": policy}
     if "critic" in strategy.engine_parts:
         engines["critic"] = build_critic(job, dist, source, tokenizer, steps, updates)
     logger.info(
         "%s: %d samples, %d steps of %d samples, ZeRO-%d, %s, %.2fM parameters, %d threads per rank",
-        job.train.train_type, len(dataset), steps, job.train.micro_batch_size * job.train.grad_accum_steps * dist.world_size,
-        policy.zero_stage, resolve_precision(job.model.dtype), sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()) / 1e6,
+        job.train.train_type,
+        len(dataset),
+        steps,
+        job.train.micro_batch_size * job.train.grad_accum_steps * dist.world_size,
+        policy.zero_stage,
+        resolve_precision(job.model.dtype),
+        sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()) / 1e6,
         torch.get_num_threads(),
     )
     run = Run(job, dist, output_dir, tokenizer, strategy, dataset, order, steps, engines, skipped)

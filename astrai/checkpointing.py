@@ -20,8 +20,16 @@ import numpy
 import torch
 
 from astrai.checkpoint import (
-    CheckpointError, CheckpointPublisher, FileDigest, StreamedFiles, find_latest, parse_step_dir_name, read_manifest,
-    require_parts, step_dir_name, verify_checkpoint,
+    CheckpointError,
+    CheckpointPublisher,
+    FileDigest,
+    StreamedFiles,
+    find_latest,
+    parse_step_dir_name,
+    read_manifest,
+    require_parts,
+    step_dir_name,
+    verify_checkpoint,
 )
 from astrai.checkpoint.errors import CheckpointVerifyError
 from astrai.checkpoint.verify import list_files, scan_pickles
@@ -121,7 +129,16 @@ def saved_micro_batch_size(path: Path) -> int | None:
         return None
 
 
-def carry_over(state: TrainerState, *, rank: int, world_size: int, seed: int, samples_per_micro_step: int, micro_batch_size: int, saved_micro_batch: int | None) -> None:
+def carry_over(
+    state: TrainerState,
+    *,
+    rank: int,
+    world_size: int,
+    seed: int,
+    samples_per_micro_step: int,
+    micro_batch_size: int,
+    saved_micro_batch: int | None,
+) -> None:
     """`micro_batch_size`, `saved_micro_batch`: train.micro_batch_size of this job and of the one that saved.
 
     Restore what the checkpoint holds exactly for this topology, and apply the stated rules to what it
@@ -142,18 +159,33 @@ def carry_over(state: TrainerState, *, rank: int, world_size: int, seed: int, sa
         logger.warning(
             "data position: continuing from global sample count %d (rule: the global sample count carries over, rounded up to "
             "this run's global micro-batch of %d samples = %d per rank x world size %d; world size %d -> %d, "
-            "train.micro_batch_size %s -> %d, %d samples consumed)", state.consumed_samples, samples_per_micro_step,
-            samples_per_micro_step // world_size, world_size, state.world_size, world_size,
-            "unknown" if saved_micro_batch is None else saved_micro_batch, micro_batch_size, consumed,
+            "train.micro_batch_size %s -> %d, %d samples consumed)",
+            state.consumed_samples,
+            samples_per_micro_step,
+            samples_per_micro_step // world_size,
+            world_size,
+            state.world_size,
+            world_size,
+            "unknown" if saved_micro_batch is None else saved_micro_batch,
+            micro_batch_size,
+            consumed,
         )
     if reseeded:
-        why = f"world size changed ({state.world_size} -> {world_size})" if world_changed else f"{len(state.rng)} RNG states saved for {world_size} ranks"
+        why = (
+            f"world size changed ({state.world_size} -> {world_size})"
+            if world_changed
+            else f"{len(state.rng)} RNG states saved for {world_size} ranks"
+        )
         logger.warning(
             "RNG reseeded per rank from (seed, step, rank): %s (rule: per-rank RNG state cannot carry over; python random, "
-            "numpy and torch of rank r seeded with seed*7919 + step*31 + r = %d + r)", why, base,
+            "numpy and torch of rank r seeded with seed*7919 + step*31 + r = %d + r)",
+            why,
+            base,
         )
     elif changed:
-        logger.warning("RNG: each rank's saved state restored (rule: the world size is unchanged, so rank r continues its own stream)")
+        logger.warning(
+            "RNG: each rank's saved state restored (rule: the world size is unchanged, so rank r continues its own stream)"
+        )
 
 
 def saved_job_value(path: Path, section: str, key: str):
@@ -183,7 +215,8 @@ def check_same_job(run, path: Path, manifest) -> None:
     if not check_saved_tokenizer(run.tokenizer, path / TOKENIZER_DIR, context):
         logger.warning(
             "%s has no %s/ (written by an earlier version): this job's tokenizer cannot be compared with its own",
-            path, TOKENIZER_DIR,
+            path,
+            TOKENIZER_DIR,
         )
 
 
@@ -201,13 +234,22 @@ def continue_schedule(run, path: Path, step: int) -> None:
         if saved_total not in (None, run.total_steps) and name == "policy":
             logger.warning(
                 "LR schedule: the checkpoint's run spanned %d steps, this job %d: the schedule continues over %d steps "
-                "(%s lr for step %d: %.4g, where the checkpoint's schedule gave %.4g)", saved_total, run.total_steps,
-                run.total_steps, name, step + 1, after, before,
+                "(%s lr for step %d: %.4g, where the checkpoint's schedule gave %.4g)",
+                saved_total,
+                run.total_steps,
+                run.total_steps,
+                name,
+                step + 1,
+                after,
+                before,
             )
         elif before != after:
             logger.warning(
                 "LR schedule: %s lr for step %d is %.4g from this job's schedule (the checkpoint's gave %.4g)",
-                name, step + 1, after, before,
+                name,
+                step + 1,
+                after,
+                before,
             )
 
 
@@ -222,7 +264,11 @@ class TrainingCheckpoints:
         self.directory = run.output_dir / "checkpoints"
         config = run.job.checkpoint
         self.publisher = CheckpointPublisher(
-            self.directory, parts=sorted(run.engines), hash_algorithm=config.hash, keep_last=config.keep_last, timeout_s=config.save_timeout_s
+            self.directory,
+            parts=sorted(run.engines),
+            hash_algorithm=config.hash,
+            keep_last=config.keep_last,
+            timeout_s=config.save_timeout_s,
         )
 
     def due(self, step: int, total_steps: int) -> bool:
@@ -263,6 +309,7 @@ class TrainingCheckpoints:
             metrics.flush()  # durable before the checkpoint it describes can appear (the rename comes later)
             self.publisher.publish_async(state.step, write, meta=meta, pre_publish=leave_if_orphaned)
             return self.directory / step_dir_name(state.step)
+
         # The metric log is made durable just before the rename that publishes the checkpoint it describes.
         def pre_publish() -> None:
             leave_if_orphaned()  # a rank whose launcher died in the last second never publishes
@@ -318,7 +365,9 @@ class TrainingCheckpoints:
                 if first_damage is not None and run.dist.is_main:
                     logger.warning(
                         "checkpoint %s is damaged (%s): resumed from the previous valid checkpoint %s instead",
-                        first_damage[0], first_damage[1], candidate,
+                        first_damage[0],
+                        first_damage[1],
+                        candidate,
                     )
                 return state
             if run.job.checkpoint.resume != "auto":
@@ -410,11 +459,18 @@ class TrainingCheckpoints:
         else:  # plain DeepSpeed checkpoint: the step is all it knows
             step = run.engines["policy"].global_steps
             state = TrainerState(step=step, consumed_samples=step * run.samples_per_step, policy_version=step)
-            logger.warning("no %s in %s: continuing from step %d, data position derived from it", STATE_FILE, path, step)
+            logger.warning(
+                "no %s in %s: continuing from step %d, data position derived from it", STATE_FILE, path, step
+            )
         order = getattr(run.strategy, "order", run.order)
         carry_over(
-            state, rank=run.dist.rank, world_size=run.dist.world_size, seed=run.job.train.seed, samples_per_micro_step=order.samples_per_micro_step,
-            micro_batch_size=run.job.train.micro_batch_size, saved_micro_batch=saved_micro_batch_size(path),
+            state,
+            rank=run.dist.rank,
+            world_size=run.dist.world_size,
+            seed=run.job.train.seed,
+            samples_per_micro_step=order.samples_per_micro_step,
+            micro_batch_size=run.job.train.micro_batch_size,
+            saved_micro_batch=saved_micro_batch_size(path),
         )
         state.epoch = run.order.epoch_of(state.consumed_samples)
         continue_schedule(run, path, state.step)  # the path actually loaded (a fallback may have chosen an older one)

@@ -60,7 +60,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
     checkpoints_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     latest = find_latest(checkpoints_dir)
     if latest is None:
-        raise ExportError(f"{path}: not a checkpoint, and {checkpoints_dir} holds no published checkpoint (step_<N> folder)")
+        raise ExportError(
+            f"{path}: not a checkpoint, and {checkpoints_dir} holds no published checkpoint (step_<N> folder)"
+        )
     logger.info("newest checkpoint in %s: %s", checkpoints_dir, latest)
     return Path(latest)
 
@@ -152,7 +154,9 @@ def build_skeleton(job, tokenizer):
             with torch.random.fork_rng(devices=[]), torch.device("meta"):
                 return build_policy(model_config, tokenizer, job.train.seed)
         if not Path(job.model.path).is_dir():
-            raise ExportError(f"model.path {job.model.path!r} of the job is not a folder here: its config.json gives the architecture")
+            raise ExportError(
+                f"model.path {job.model.path!r} of the job is not a folder here: its config.json gives the architecture"
+            )
         config = AutoConfig.from_pretrained(job.model.path, local_files_only=True)
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -170,10 +174,14 @@ def critic_skeleton(job, tokenizer):
     if job.critic.path is None:
         trunk = trunk_of(build_skeleton(job, tokenizer))
     elif not Path(job.critic.path).is_dir():
-        raise ExportError(f"critic.path {job.critic.path!r} of the job is not a folder here: its config.json gives the critic's architecture")
+        raise ExportError(
+            f"critic.path {job.critic.path!r} of the job is not a folder here: its config.json gives the critic's architecture"
+        )
     else:
         with torch.device("meta"):
-            trunk = AutoModel.from_config(AutoConfig.from_pretrained(job.critic.path, local_files_only=True), dtype=torch.float32)
+            trunk = AutoModel.from_config(
+                AutoConfig.from_pretrained(job.critic.path, local_files_only=True), dtype=torch.float32
+            )
     with torch.device("meta"):
         return ValueModel(trunk)
 
@@ -194,14 +202,24 @@ def prepare_state(state: dict[str, torch.Tensor], model, dtype: torch.dtype) -> 
     aliases = tied_aliases(model)
     for alias, source in aliases.items():
         if alias in state and source in state and not torch.equal(state[alias], state[source]):
-            raise ExportError(f"{alias} and {source} differ in the checkpoint, but the config ties them (tie_word_embeddings)")
+            raise ExportError(
+                f"{alias} and {source} differ in the checkpoint, but the config ties them (tie_word_embeddings)"
+            )
         state.pop(alias, None)
     expected = {name: tensor.shape for name, tensor in model.state_dict().items() if name not in aliases}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
-    wrong_shape = [f"{name} {tuple(state[name].shape)} != {tuple(shape)}" for name, shape in expected.items() if name in state and state[name].shape != shape]
+    wrong_shape = [
+        f"{name} {tuple(state[name].shape)} != {tuple(shape)}"
+        for name, shape in expected.items()
+        if name in state and state[name].shape != shape
+    ]
     if missing or unexpected or wrong_shape:
-        problems = [f"{label}: {', '.join(names)}" for label, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong_shape)) if names]
+        problems = [
+            f"{label}: {', '.join(names)}"
+            for label, names in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong_shape))
+            if names
+        ]
         raise ExportError("checkpoint weights do not fit the job's architecture: " + "; ".join(problems))
     converted = {}
     for name in sorted(state):
@@ -263,7 +281,12 @@ def progress_bar(model, show: bool | None):
         fp32_bytes = 4 * sum(parameter.numel() for parameter in model.parameters())  # meta tensors: sizes only
         show = sys.stderr.isatty() or fp32_bytes > LARGE_MODEL_BYTES
     # No rate or ETA: phases differ too much in length for either to mean anything.
-    return tqdm(total=4, desc="export-hf", bar_format="{desc} |{bar:20}| {n_fmt}/{total_fmt} phases, {elapsed}", disable=not show)
+    return tqdm(
+        total=4,
+        desc="export-hf",
+        bar_format="{desc} |{bar:20}| {n_fmt}/{total_fmt} phases, {elapsed}",
+        disable=not show,
+    )
 
 
 @contextlib.contextmanager
@@ -462,18 +485,34 @@ def export_finished_run(job) -> Path:
     if checkpoint is None:
         raise ExportError(f"export.on_finish: no checkpoint in {job.output_dir}/checkpoints to export")
     progress = None if job.runtime.progress_bar else False
-    return export_checkpoint(checkpoint, job.export.hf_dir, dtype=job.export.dtype, verify=False, overwrite=True, progress=progress)
+    return export_checkpoint(
+        checkpoint, job.export.hf_dir, dtype=job.export.dtype, verify=False, overwrite=True, progress=progress
+    )
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m astrai export-hf", description="Export a checkpoint as a Hugging Face model folder.")
-    parser.add_argument("checkpoint", help="a checkpoint (step_<N>), a checkpoints folder or an output_dir (its newest checkpoint)")
+    parser = argparse.ArgumentParser(
+        prog="python -m astrai export-hf", description="Export a checkpoint as a Hugging Face model folder."
+    )
+    parser.add_argument(
+        "checkpoint", help="a checkpoint (step_<N>), a checkpoints folder or an output_dir (its newest checkpoint)"
+    )
     parser.add_argument("destination", help="folder to create (must be absent or empty unless --overwrite)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="dtype of the exported weights (default fp32)")
-    parser.add_argument("--part", choices=PARTS, default="policy", help="which model of the checkpoint (default policy)")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="fp32", help="dtype of the exported weights (default fp32)"
+    )
+    parser.add_argument(
+        "--part", choices=PARTS, default="policy", help="which model of the checkpoint (default policy)"
+    )
     parser.add_argument("--no-verify", action="store_true", help="skip re-hashing the checkpoint against its manifest")
-    parser.add_argument("--overwrite", action="store_true", help="replace an earlier export (atomically); a run folder or a folder holding a checkpoint is refused")
-    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB (default 5GB)")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier export (atomically); a run folder or a folder holding a checkpoint is refused",
+    )
+    parser.add_argument(
+        "--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB (default 5GB)"
+    )
     parser.add_argument("--tokenizer-dir", default=None, help="tokenizer folder (default: the run's own)")
     return parser.parse_args(argv)
 
@@ -492,8 +531,14 @@ def export_main(argv: list[str]) -> int:
         with contextlib.redirect_stdout(sys.stderr):
             checkpoint = resolve_checkpoint(args.checkpoint)
             path = export_checkpoint(
-                checkpoint, args.destination, dtype=args.dtype, part=args.part, verify=not args.no_verify,
-                overwrite=args.overwrite, max_shard_size=args.max_shard_size, tokenizer_dir=args.tokenizer_dir,
+                checkpoint,
+                args.destination,
+                dtype=args.dtype,
+                part=args.part,
+                verify=not args.no_verify,
+                overwrite=args.overwrite,
+                max_shard_size=args.max_shard_size,
+                tokenizer_dir=args.tokenizer_dir,
             )
     except (AstraiError, OSError, ValueError) as error:  # the checkpoint's, the tokenizer's, the model's
         message = " ".join(str(error).split())  # one line, whatever the wrapped error looked like

@@ -58,8 +58,14 @@ def check_job_parts(job, config_path: str, world_size: int) -> None:
     sources += ["deepspeed.overrides"] * bool(job.deepspeed.overrides)
     try:
         for zero_stage in (None, job.critic.zero_stage) if job.train.train_type == "online_ppo" else (None,):
-            config = engine_config(job, config_path, lr=job.train.lr, max_grad_norm=job.train.max_grad_norm,
-                                   world_size=world_size, zero_stage=zero_stage)
+            config = engine_config(
+                job,
+                config_path,
+                lr=job.train.lr,
+                max_grad_norm=job.train.max_grad_norm,
+                world_size=world_size,
+                zero_stage=zero_stage,
+            )
             check_ds_config(config, f"the DeepSpeed config ({' + '.join(sources) or 'defaults'})")
     except DeepSpeedConfigError as error:
         raise ConfigError(f"{config_path}: {error}") from None

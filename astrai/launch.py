@@ -45,10 +45,11 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from astrai.config import ConfigError
 from astrai.preflight import LAUNCHER_VARIABLE, render_environment
@@ -72,7 +73,10 @@ PER_RANK_VARIABLES = {
     "CUDA_VISIBLE_DEVICES": "DeepSpeed sets it on each node from the node's slots",
     "DS_ENV_FILE": "`launch` points it at the job's own environment file",
     LAUNCHER_VARIABLE: "`launch` sets it from infra.launcher",
-    **dict.fromkeys(("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "NODE_RANK", "GROUP_RANK", "CROSS_RANK", "CROSS_SIZE"), "the launcher sets it for each rank"),
+    **dict.fromkeys(
+        ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "NODE_RANK", "GROUP_RANK", "CROSS_RANK", "CROSS_SIZE"),
+        "the launcher sets it for each rank",
+    ),
 }
 
 
@@ -116,7 +120,9 @@ class LaunchPlan:
     def shell_line(self) -> str:
         """The command as one copy-pasteable shell line, environment included."""
         unset = [part for key in self.unset for part in ("-u", key)]
-        return shlex.join(["env", *unset, *(f"{key}={value}" for key, value in self.environment.items()), *self.command])
+        return shlex.join(
+            ["env", *unset, *(f"{key}={value}" for key, value in self.environment.items()), *self.command]
+        )
 
 
 def read_hostfile(path: Path) -> list[Node]:
@@ -139,7 +145,9 @@ def find_hostfile(name: str, config_path: str | Path) -> Path:
     for candidate in candidates:
         if candidate.is_file():
             return candidate.resolve()
-    raise LaunchError(f"{config_path}: infra.hostfile: {name!r} does not exist (looked at {', '.join(str(c) for c in candidates)})")
+    raise LaunchError(
+        f"{config_path}: infra.hostfile: {name!r} does not exist (looked at {', '.join(str(c) for c in candidates)})"
+    )
 
 
 def nodes_of(job, config_path: str | Path) -> list[Node]:
@@ -149,7 +157,10 @@ def nodes_of(job, config_path: str | Path) -> list[Node]:
         path = find_hostfile(infra.hostfile, config_path)
         nodes, source = read_hostfile(path), str(path)
     elif infra.nodes is not None:
-        nodes, source = [Node(node.host, node.slots, f"infra.nodes[{index}]") for index, node in enumerate(infra.nodes)], "infra.nodes"
+        nodes, source = (
+            [Node(node.host, node.slots, f"infra.nodes[{index}]") for index, node in enumerate(infra.nodes)],
+            "infra.nodes",
+        )
     else:
         raise LaunchError(
             f"{config_path}: `launch` needs infra.nodes or infra.hostfile; on one machine run "
@@ -166,11 +177,15 @@ def nodes_of(job, config_path: str | Path) -> list[Node]:
         if node.host in seen:
             raise LaunchError(f"{node.where}: host {node.host} is listed twice (also at {seen[node.host].where})")
         if infra.gpus_per_node is not None and node.slots > infra.gpus_per_node:
-            raise LaunchError(f"{node.where}: {node.host} has slots={node.slots}, more ranks than infra.gpus_per_node={infra.gpus_per_node} devices")
+            raise LaunchError(
+                f"{node.where}: {node.host} has slots={node.slots}, more ranks than infra.gpus_per_node={infra.gpus_per_node} devices"
+            )
         seen[node.host] = node
     if infra.launcher == "slurm" and len({node.slots for node in nodes}) > 1:
         counts = ", ".join(f"{node.host}={node.slots}" for node in nodes)
-        raise LaunchError(f"{config_path}: infra.launcher slurm starts the same number of ranks on every node (srun -n), but slots differ: {counts}")
+        raise LaunchError(
+            f"{config_path}: infra.launcher slurm starts the same number of ranks on every node (srun -n), but slots differ: {counts}"
+        )
     return nodes
 
 
@@ -189,10 +204,14 @@ def check_reachable(nodes: list[Node], master_addr: str, master_where: str) -> N
         try:
             socket.getaddrinfo(name, None)
         except (socket.gaierror, UnicodeError) as error:
-            raise LaunchError(f"{where}: host {name!r} does not resolve ({error}); fix the name or add it to DNS or /etc/hosts") from None
+            raise LaunchError(
+                f"{where}: host {name!r} does not resolve ({error}); fix the name or add it to DNS or /etc/hosts"
+            ) from None
     remote = [node.host for node in nodes if not is_loopback(node.host)]
     if is_loopback(master_addr) and remote:
-        raise LaunchError(f"{master_where}: {master_addr} is a loopback address, which {', '.join(remote)} cannot reach; give node 0's network address")
+        raise LaunchError(
+            f"{master_where}: {master_addr} is a loopback address, which {', '.join(remote)} cannot reach; give node 0's network address"
+        )
 
 
 def check_environment(environment: Mapping[str, Any], launcher: str) -> tuple[dict[str, str], list[str]]:
@@ -206,15 +225,23 @@ def check_environment(environment: Mapping[str, Any], launcher: str) -> tuple[di
         if key in PER_RANK_VARIABLES:
             raise LaunchError(f"{where}: set for each rank by the launcher; {PER_RANK_VARIABLES[key]}")
         if "\n" in value or "\r" in value:
-            raise LaunchError(f"{where}: a value of several lines cannot go through DeepSpeed's environment file (one KEY=value a line)")
+            raise LaunchError(
+                f"{where}: a value of several lines cannot go through DeepSpeed's environment file (one KEY=value a line)"
+            )
         if value != value.strip():
             raise LaunchError(f"{where}: {value!r} starts or ends with white space, which DeepSpeed's launcher strips")
         if SHELL_ACTIVE & set(value):
-            raise LaunchError(f"{where}: {value!r} holds one of \" $ ` \\, which the nodes' shell expands inside the quotes DeepSpeed adds")
+            raise LaunchError(
+                f"{where}: {value!r} holds one of \" $ ` \\, which the nodes' shell expands inside the quotes DeepSpeed adds"
+            )
         if launcher == "slurm" and "," in value:
-            raise LaunchError(f"{where}: {value!r} holds a comma, which srun --export reads as the start of the next variable")
+            raise LaunchError(
+                f"{where}: {value!r} holds a comma, which srun --export reads as the start of the next variable"
+            )
         if isinstance(original, bool):
-            warnings.append(f"{where}: YAML {str(original).lower()} is exported as {value!r}; NCCL and most C libraries want 1 or 0")
+            warnings.append(
+                f"{where}: YAML {str(original).lower()} is exported as {value!r}; NCCL and most C libraries want 1 or 0"
+            )
         if launcher in ("openmpi", "slurm") and NEEDS_QUOTES.search(value):
             warnings.append(
                 f"{where}: DeepSpeed hands {value!r} to {launcher} inside double quotes, which reach the ranks as part of the "
@@ -234,9 +261,26 @@ def deepspeed_program() -> str:
     return str(beside) if beside.is_file() else shutil.which("deepspeed") or "deepspeed"
 
 
-def deepspeed_command(job, nodes: list[Node], hostfile: Path, node_rank: int | None, script: Path, config: Path, overrides: list[str], launcher_args: str) -> list[str]:
+def deepspeed_command(
+    job,
+    nodes: list[Node],
+    hostfile: Path,
+    node_rank: int | None,
+    script: Path,
+    config: Path,
+    overrides: list[str],
+    launcher_args: str,
+) -> list[str]:
     infra = job.infra
-    command = [deepspeed_program(), "--hostfile", str(hostfile), "--master_addr", infra.master_addr or nodes[0].host, "--master_port", str(infra.master_port)]
+    command = [
+        deepspeed_program(),
+        "--hostfile",
+        str(hostfile),
+        "--master_addr",
+        infra.master_addr or nodes[0].host,
+        "--master_port",
+        str(infra.master_port),
+    ]
     if infra.launcher == "no_ssh":
         # Every node runs this same command with its own --node_rank; DeepSpeed starts that node's ranks locally.
         command += ["--no_ssh", "--node_rank", str(node_rank), "--num_nodes", str(len(nodes))]
@@ -255,19 +299,31 @@ def deepspeed_command(job, nodes: list[Node], hostfile: Path, node_rank: int | N
     return command
 
 
-def plan_launch(job, config_path: str | Path, overrides: list[str], *, node_rank: int | None = None, check: bool = False, launcher_args: str = "") -> LaunchPlan:
+def plan_launch(
+    job,
+    config_path: str | Path,
+    overrides: list[str],
+    *,
+    node_rank: int | None = None,
+    check: bool = False,
+    launcher_args: str = "",
+) -> LaunchPlan:
     """Everything `launch` will do, checked, without writing or starting anything."""
     infra = job.infra
     nodes = nodes_of(job, config_path)
     if infra.launcher == "no_ssh":
         if node_rank is None:
-            raise LaunchError(f"infra.launcher no_ssh: give --node-rank K and run the same launch on every node (K = 0 .. {len(nodes) - 1}, 0 on {nodes[0].host})")
+            raise LaunchError(
+                f"infra.launcher no_ssh: give --node-rank K and run the same launch on every node (K = 0 .. {len(nodes) - 1}, 0 on {nodes[0].host})"
+            )
         if not 0 <= node_rank < len(nodes):
             raise LaunchError(f"--node-rank {node_rank}: the job has {len(nodes)} nodes (0 .. {len(nodes) - 1})")
     elif node_rank is not None:
         raise LaunchError(f"--node-rank is for infra.launcher no_ssh only; {infra.launcher} starts every node itself")
     master_addr = infra.master_addr or nodes[0].host
-    check_reachable(nodes, master_addr, "infra.master_addr" if infra.master_addr else f"{nodes[0].where} (the master by default)")
+    check_reachable(
+        nodes, master_addr, "infra.master_addr" if infra.master_addr else f"{nodes[0].where} (the master by default)"
+    )
     values, warnings = check_environment(job.runtime.environment, infra.launcher)
     in_shell = host_only_variables(os.environ)
     dropped = [key for key in in_shell if key not in values]
@@ -278,21 +334,29 @@ def plan_launch(job, config_path: str | Path, overrides: list[str], *, node_rank
         )
     env_file_values = dict(values)
     if infra.launcher in ("openmpi", "slurm"):  # mpirun and srun start the trainer directly: it needs these from us
-        env_file_values.update({LAUNCHER_VARIABLE: infra.launcher, "MASTER_ADDR": master_addr, "MASTER_PORT": str(infra.master_port)})
+        env_file_values.update(
+            {LAUNCHER_VARIABLE: infra.launcher, "MASTER_ADDR": master_addr, "MASTER_PORT": str(infra.master_port)}
+        )
     folder = Path(job.output_dir).resolve() / "launch"
     environment = {"DS_ENV_FILE": str(folder / "deepspeed_env")}
     if infra.launcher == "no_ssh":
         environment.update(values)
     unset = [key for key in in_shell if key not in environment]
     script = ASTRAI_FOLDER / ("preflight.py" if check else "train.py")
-    command = deepspeed_command(job, nodes, folder / "hostfile", node_rank, script, Path(config_path).resolve(), list(overrides), launcher_args)
-    return LaunchPlan(command, environment, nodes, folder / "hostfile", folder / "deepspeed_env", env_file_values, warnings, unset)
+    command = deepspeed_command(
+        job, nodes, folder / "hostfile", node_rank, script, Path(config_path).resolve(), list(overrides), launcher_args
+    )
+    return LaunchPlan(
+        command, environment, nodes, folder / "hostfile", folder / "deepspeed_env", env_file_values, warnings, unset
+    )
 
 
 def require_programs(launcher: str) -> None:
     missing = [program for program in LAUNCHER_PROGRAMS[launcher] if shutil.which(program) is None]
     if missing:
-        raise LaunchError(f"infra.launcher {launcher}: {', '.join(missing)} not found on this machine (DeepSpeed runs it to reach the nodes)")
+        raise LaunchError(
+            f"infra.launcher {launcher}: {', '.join(missing)} not found on this machine (DeepSpeed runs it to reach the nodes)"
+        )
     if shutil.which(deepspeed_program()) is None:
         raise LaunchError("the `deepspeed` launcher is not installed in this Python environment")
 
@@ -300,14 +364,25 @@ def require_programs(launcher: str) -> None:
 def probe_nodes(nodes: list[Node]) -> None:
     """`ssh -o BatchMode=yes host true` on every node at once, each bounded: a node pdsh or mpirun cannot
     reach would otherwise start no ranks and leave the other nodes' ranks waiting in the rendezvous."""
+
     def failure(node: Node) -> str | None:
         try:
-            done = subprocess.run([*SSH_PROBE, node.host, "true"], stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=SSH_PROBE_TIMEOUT_S)
+            done = subprocess.run(
+                [*SSH_PROBE, node.host, "true"],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=SSH_PROBE_TIMEOUT_S,
+            )
         except subprocess.TimeoutExpired:
             return f"no answer within {SSH_PROBE_TIMEOUT_S:g} s"
         except OSError as error:  # no ssh client on this machine
             return str(error)
-        return None if done.returncode == 0 else (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        return (
+            None
+            if done.returncode == 0
+            else (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        )
 
     with ThreadPoolExecutor(max_workers=min(32, len(nodes))) as pool:
         failures = [(node, reason) for node, reason in zip(nodes, pool.map(failure, nodes)) if reason]
@@ -335,13 +410,39 @@ def run(plan: LaunchPlan) -> int:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m astrai launch", description="Start a job on its nodes with DeepSpeed's launcher (docs/guides/distributed.md).")
+    parser = argparse.ArgumentParser(
+        prog="python -m astrai launch",
+        description="Start a job on its nodes with DeepSpeed's launcher (docs/guides/distributed.md).",
+    )
     parser.add_argument("--config", required=True, help="job YAML; infra.nodes or infra.hostfile name the nodes")
-    parser.add_argument("--dry-run", action="store_true", help="check and write the launch files, print the command, start nothing")
-    parser.add_argument("--check", action="store_true", help="start astrai/preflight.py instead of training: every rank reports, versions and devices are compared")
-    parser.add_argument("--node-rank", type=int, default=None, metavar="K", help="this node's index (infra.launcher no_ssh only, then required)")
-    parser.add_argument("--launcher-args", default="", metavar="ARGS", help="passed as DeepSpeed's --launcher_args (pdsh, mpirun or srun options)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a job key, here and on every rank; repeatable")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="check and write the launch files, print the command, start nothing"
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="start astrai/preflight.py instead of training: every rank reports, versions and devices are compared",
+    )
+    parser.add_argument(
+        "--node-rank",
+        type=int,
+        default=None,
+        metavar="K",
+        help="this node's index (infra.launcher no_ssh only, then required)",
+    )
+    parser.add_argument(
+        "--launcher-args",
+        default="",
+        metavar="ARGS",
+        help="passed as DeepSpeed's --launcher_args (pdsh, mpirun or srun options)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="override a job key, here and on every rank; repeatable",
+    )
     return parser.parse_args(argv)
 
 
@@ -353,7 +454,9 @@ def launch_main(argv: list[str] | None = None) -> int:
     try:
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the command; DeepSpeed's import says things
             job = load_and_check(args.config, args.set)
-        plan = plan_launch(job, args.config, args.set, node_rank=args.node_rank, check=args.check, launcher_args=args.launcher_args)
+        plan = plan_launch(
+            job, args.config, args.set, node_rank=args.node_rank, check=args.check, launcher_args=args.launcher_args
+        )
         if not args.dry_run:
             require_programs(job.infra.launcher)
             if job.infra.launcher in SSH_LAUNCHERS:  # slurm's srun and no_ssh need no ssh
@@ -370,7 +473,10 @@ def launch_main(argv: list[str] | None = None) -> int:
     for warning in plan.warnings:
         print(f"astrai launch: warning: {warning}", file=sys.stderr)
     ranks = sum(node.slots for node in plan.nodes)
-    print(f"astrai launch: {len(plan.nodes)} nodes, {ranks} ranks; {plan.hostfile}; {plan.env_file} ({len(plan.env_file_values)} variables)", file=sys.stderr)
+    print(
+        f"astrai launch: {len(plan.nodes)} nodes, {ranks} ranks; {plan.hostfile}; {plan.env_file} ({len(plan.env_file_values)} variables)",
+        file=sys.stderr,
+    )
     if args.dry_run:
         print(plan.shell_line())
         return 0

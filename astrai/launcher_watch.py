@@ -38,7 +38,7 @@ ORPHAN_EXIT_CODE = 1
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 NODE_LAUNCHER_MODULE = "deepspeed.launcher.launch"
 _last_actions: list[Callable[[], None]] = []
-_watched: list["Launcher"] | None = None
+_watched: list[Launcher] | None = None
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,16 @@ def read_metrics(path: Path) -> list[dict]:
 
 
 class MetricsLog:
-    def __init__(self, output_dir: Path, *, is_main: bool, total_steps: int, start_step: int, tensorboard: bool, progress_bar: bool):
+    def __init__(
+        self,
+        output_dir: Path,
+        *,
+        is_main: bool,
+        total_steps: int,
+        start_step: int,
+        tensorboard: bool,
+        progress_bar: bool,
+    ):
         self.is_main = is_main
         self.path = Path(output_dir) / METRICS_FILE
         self._file = None
@@ -77,7 +86,9 @@ class MetricsLog:
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
                     self._board.add_scalar(key, value, step)
         if self._bar is not None:
-            self._bar.set_postfix({k: f"{record[k]:.4g}" for k in ("loss", "lr") if isinstance(record.get(k), float)}, refresh=False)
+            self._bar.set_postfix(
+                {k: f"{record[k]:.4g}" for k in ("loss", "lr") if isinstance(record.get(k), float)}, refresh=False
+            )
 
     def advance(self) -> None:
         if self._bar is not None:

@@ -30,8 +30,12 @@ GIB = 1024**3
 # CPU build: 632 MiB; the imports and a gloo group alone: 532 MiB).
 RUNTIME_BASELINE_BYTES = 632 * 1024**2
 # DeepSpeed's defaults (deepspeed/runtime/zero/config.py) when the resolved config leaves a key out.
-ZERO_DEFAULTS = {"reduce_bucket_size": 5e8, "allgather_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e7,
-                 "stage3_max_live_parameters": 1e9}
+ZERO_DEFAULTS = {
+    "reduce_bucket_size": 5e8,
+    "allgather_bucket_size": 5e8,
+    "stage3_prefetch_bucket_size": 5e7,
+    "stage3_max_live_parameters": 1e9,
+}
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
@@ -171,6 +175,7 @@ def engine_rows(name: str, parameters: int, ds_config: dict, precision: str, wor
         buckets = (2 * reduce_bucket + int(live)) * weight_bytes
     else:
         buckets = 0
+
     def placed(component: str, size: int, on_host: bool) -> Row:
         return Row(f"{name} {component}", host=size) if on_host else Row(f"{name} {component}", gpu=size)
 
@@ -228,7 +233,11 @@ def make_plan(job, source: str, world_size: int, gpu_memory_gib: float | None, h
     config = model_config(job, tokenizer_size(job))
     shape = count_shapes(config)
     ds_config = engine_config(
-        job, source, lr=job.train.lr, max_grad_norm=job.train.max_grad_norm, world_size=world_size,
+        job,
+        source,
+        lr=job.train.lr,
+        max_grad_norm=job.train.max_grad_norm,
+        world_size=world_size,
     )
     stage = ds_config["zero_optimization"]["stage"]
     weight_bytes = 2 if precision in ("bf16", "fp16") else 4
@@ -245,9 +254,12 @@ def make_plan(job, source: str, world_size: int, gpu_memory_gib: float | None, h
         plan.rows.append(Row("reference parameters", gpu=reference))
     if "critic" in strategy.engine_parts:
         critic_config = engine_config(
-            job, source, lr=job.critic.lr or job.train.lr,
+            job,
+            source,
+            lr=job.critic.lr or job.train.lr,
             max_grad_norm=job.critic.max_grad_norm or job.train.max_grad_norm,
-            world_size=world_size, zero_stage=job.critic.zero_stage,
+            world_size=world_size,
+            zero_stage=job.critic.zero_stage,
         )
         critic_parameters = count_shapes(config, critic=True).parameters
         plan.rows += engine_rows("critic", critic_parameters, critic_config, precision, world_size)
@@ -294,16 +306,24 @@ def render_table(plan: Plan) -> str:
 
 def plan_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m astrai plan", description="Per-rank memory of a job, and whether it fits.",
+        prog="python -m astrai plan",
+        description="Per-rank memory of a job, and whether it fits.",
     )
     parser.add_argument("--config", required=True, help="job YAML")
     parser.add_argument(
-        "--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a key, as train.py",
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="override a key, as train.py",
     )
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--gpus-per-node", type=int, default=1, help="ranks per node")
     parser.add_argument(
-        "--gpu-memory-gib", type=float, default=None, help="memory of one GPU (default: plan for host memory)",
+        "--gpu-memory-gib",
+        type=float,
+        default=None,
+        help="memory of one GPU (default: plan for host memory)",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)

@@ -14,7 +14,12 @@ def numeric_series(records: list[dict]) -> dict[str, tuple[list[int], list[float
     series: dict[str, tuple[list[int], list[float]]] = {}
     for record in records:
         for key, value in record.items():
-            if key in SKIPPED or isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            if (
+                key in SKIPPED
+                or isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+            ):
                 continue
             steps, values = series.setdefault(key, ([], []))
             steps.append(record["step"])
@@ -37,7 +42,9 @@ def plot_metrics(output_dir: str | Path, destination: str | Path | None = None, 
     if names:
         unknown = [name for name in names if name not in series]
         if unknown:
-            raise ValueError(f"{source} has no numeric metric {', '.join(unknown)} (it has: {', '.join(sorted(series))})")
+            raise ValueError(
+                f"{source} has no numeric metric {', '.join(unknown)} (it has: {', '.join(sorted(series))})"
+            )
         series = {name: series[name] for name in names}
     if not series:
         raise ValueError(f"{source} holds no numeric metric")
@@ -49,7 +56,7 @@ def plot_metrics(output_dir: str | Path, destination: str | Path | None = None, 
         axis.set_title(name)
         axis.set_xlabel("step")
         axis.grid(alpha=0.3)
-    for axis in list(axes.flat)[len(series):]:
+    for axis in list(axes.flat)[len(series) :]:
         axis.set_visible(False)
     figure.suptitle(str(source))
     figure.tight_layout()

@@ -111,7 +111,9 @@ class _ZeroSource:
         from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
         states = _model_states(shards)
-        self.shapes = {name: tuple(shape) for group in states.get("param_shapes") or [] for name, shape in group.items()}
+        self.shapes = {
+            name: tuple(shape) for group in states.get("param_shapes") or [] for name, shape in group.items()
+        }
         if not self.shapes:
             raise PortableError(f"{shards}: the model_states file lists no parameter shapes")
         self.names = list(self.shapes)
@@ -121,8 +123,13 @@ class _ZeroSource:
         universal = scratch / "universal"  # ds_to_universal also writes `latest_universal` next to it, in scratch
         captured = io.StringIO()
         arguments = argparse.Namespace(
-            input_folder=str(shards), output_folder=str(universal), num_extract_workers=1, num_merge_workers=1,
-            keep_temp_folder=False, strict=True, inject_missing_state=True,
+            input_folder=str(shards),
+            output_folder=str(universal),
+            num_extract_workers=1,
+            num_merge_workers=1,
+            keep_temp_folder=False,
+            strict=True,
+            inject_missing_state=True,
         )
         try:  # it prints progress to stdout and tqdm bars to stderr; it calls torch.load(weights_only=False) itself
             with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured), weights_only_torch_load():
@@ -130,7 +137,9 @@ class _ZeroSource:
         except CheckpointError:  # a shard refused (it names code) or unreadable: its own message names the file
             raise
         except Exception as error:
-            raise PortableError(f"{shards}: DeepSpeed's ds_to_universal failed ({type(error).__name__}: {error}); output:\n{captured.getvalue()[-2000:]}") from error
+            raise PortableError(
+                f"{shards}: DeepSpeed's ds_to_universal failed ({type(error).__name__}: {error}); output:\n{captured.getvalue()[-2000:]}"
+            ) from error
         self.zero = universal / "zero"
 
     def tensors(self, key: str) -> dict[str, torch.Tensor]:
@@ -186,7 +195,12 @@ class _StageZeroSource:
         steps = {int(entry["step"]) for entry in self.inner["state"].values() if "step" in entry}
         self.step = max(steps, default=0)
         if len(steps) > 1:
-            logger.warning("%s: parameters have different Adam step counts %s; the portable form keeps %d", shards, sorted(steps), self.step)
+            logger.warning(
+                "%s: parameters have different Adam step counts %s; the portable form keeps %d",
+                shards,
+                sorted(steps),
+                self.step,
+            )
         self.counters = _counters(states)
         self.stage = _recorded_stage(states)
 
@@ -194,7 +208,12 @@ class _StageZeroSource:
         group, position, offset = self.where[name]
         shape = self.module[name].shape
         if key == "fp32" and self.flats is None:
-            return (self.masters[group][position] if self.masters is not None else self.module[name]).float().reshape(shape).clone()
+            return (
+                (self.masters[group][position] if self.masters is not None else self.module[name])
+                .float()
+                .reshape(shape)
+                .clone()
+            )
         entry = self.inner["param_groups"][group]["params"][0 if self.flats is not None else position]
         value = self.flats[group] if key == "fp32" else self.inner["state"].get(entry, {}).get(key)
         if value is None:  # a parameter the optimizer never stepped
@@ -255,7 +274,9 @@ class PortablePart:
         if document.get("format") != PART_FORMAT or document.get("version", 0) > PART_VERSION:
             raise PortableError(f"{self.folder}: {INFO_FILE} is not a portable part this AstrAI reads")
         self.info = PartInfo(**document)
-        self._files = {key: safe_open(str(self.folder / f"{key}.safetensors"), framework="pt", device="cpu") for key in STATE_KEYS}
+        self._files = {
+            key: safe_open(str(self.folder / f"{key}.safetensors"), framework="pt", device="cpu") for key in STATE_KEYS
+        }
 
     @property
     def names(self) -> list[str]:

@@ -35,9 +35,10 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Mapping, MutableMapping
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Mapping, MutableMapping
+from typing import Any
 
 from astrai.errors import AstraiError
 
@@ -46,8 +47,18 @@ logger = logging.getLogger("astrai.preflight")
 LAUNCHER_VARIABLE = "ASTR_LAUNCHER"  # written by `python -m astrai launch` into the env file of openmpi/slurm jobs
 # mpirun and srun start the trainer directly, with their own rank variables instead of torch's.
 _LAUNCHER_RANK_VARIABLES = {
-    "openmpi": {"RANK": "OMPI_COMM_WORLD_RANK", "WORLD_SIZE": "OMPI_COMM_WORLD_SIZE", "LOCAL_RANK": "OMPI_COMM_WORLD_LOCAL_RANK", "LOCAL_SIZE": "OMPI_COMM_WORLD_LOCAL_SIZE"},
-    "slurm": {"RANK": "SLURM_PROCID", "WORLD_SIZE": "SLURM_NTASKS", "LOCAL_RANK": "SLURM_LOCALID", "NODE_RANK": "SLURM_NODEID"},
+    "openmpi": {
+        "RANK": "OMPI_COMM_WORLD_RANK",
+        "WORLD_SIZE": "OMPI_COMM_WORLD_SIZE",
+        "LOCAL_RANK": "OMPI_COMM_WORLD_LOCAL_RANK",
+        "LOCAL_SIZE": "OMPI_COMM_WORLD_LOCAL_SIZE",
+    },
+    "slurm": {
+        "RANK": "SLURM_PROCID",
+        "WORLD_SIZE": "SLURM_NTASKS",
+        "LOCAL_RANK": "SLURM_LOCALID",
+        "NODE_RANK": "SLURM_NODEID",
+    },
 }
 # Node index as set by DeepSpeed's launch (CROSS_RANK), torchrun (GROUP_RANK) and others (NODE_RANK).
 _NODE_RANK_VARIABLES = ("CROSS_RANK", "GROUP_RANK", "NODE_RANK")
@@ -73,7 +84,11 @@ def prepare_rank_environment(environ: MutableMapping[str, str] | None = None) ->
     """
     environ = os.environ if environ is None else environ
     names = _LAUNCHER_RANK_VARIABLES.get(environ.get(LAUNCHER_VARIABLE, ""))
-    adopted = {} if not names or "RANK" in environ else {ours: environ[theirs] for ours, theirs in names.items() if theirs in environ}
+    adopted = (
+        {}
+        if not names or "RANK" in environ
+        else {ours: environ[theirs] for ours, theirs in names.items() if theirs in environ}
+    )
     environ.update(adopted)
     _warn_if_no_device_for(environ)
     return adopted
@@ -118,7 +133,11 @@ def environment_at_exec() -> dict[str, str] | None:
 
 def communication_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """The NCCL/CUDA settings in force: NCCL_*, TORCH_NCCL_*, CUDA_VISIBLE_DEVICES."""
-    return {key: environ[key] for key in sorted(environ) if key.startswith(("NCCL_", "TORCH_NCCL_")) or key == "CUDA_VISIBLE_DEVICES"}
+    return {
+        key: environ[key]
+        for key in sorted(environ)
+        if key.startswith(("NCCL_", "TORCH_NCCL_")) or key == "CUDA_VISIBLE_DEVICES"
+    }
 
 
 def package_versions() -> dict[str, str | None]:
@@ -130,7 +149,13 @@ def package_versions() -> dict[str, str | None]:
         except metadata.PackageNotFoundError:
             return None
 
-    return {"python": platform.python_version(), "torch": torch.__version__, "deepspeed": installed("deepspeed"), "cuda": torch.version.cuda, "transformers": installed("transformers")}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "deepspeed": installed("deepspeed"),
+        "cuda": torch.version.cuda,
+        "transformers": installed("transformers"),
+    }
 
 
 def node_device_count() -> int:
@@ -149,7 +174,9 @@ def interconnect_topology() -> str | None:
     if shutil.which("nvidia-smi") is None:
         return None
     try:
-        completed = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=TOPOLOGY_TIMEOUT_S)
+        completed = subprocess.run(
+            ["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=TOPOLOGY_TIMEOUT_S
+        )
     except (OSError, subprocess.TimeoutExpired) as error:
         return f"nvidia-smi topo -m failed: {error}"
     return completed.stdout if completed.returncode == 0 else f"nvidia-smi topo -m failed: {completed.stderr.strip()}"
@@ -162,11 +189,21 @@ def rank_facts(job, dist=None) -> dict[str, Any]:
 
     environ = os.environ
     if dist is None:
-        rank, world_size, local_rank = (int(environ.get(name) or default) for name, default in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)))
-        device, kind = (f"cuda:{local_rank}", None) if torch.cuda.is_available() else ("cpu", "cpu")  # no CUDA call before set_device
+        rank, world_size, local_rank = (
+            int(environ.get(name) or default) for name, default in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0))
+        )
+        device, kind = (
+            (f"cuda:{local_rank}", None) if torch.cuda.is_available() else ("cpu", "cpu")
+        )  # no CUDA call before set_device
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     else:
-        rank, world_size, local_rank, device, backend = dist.rank, dist.world_size, dist.local_rank, str(dist.device), dist.backend
+        rank, world_size, local_rank, device, backend = (
+            dist.rank,
+            dist.world_size,
+            dist.local_rank,
+            str(dist.device),
+            dist.backend,
+        )
         kind = torch.cuda.get_device_name(dist.device) if dist.device.type == "cuda" else dist.device.type
     keys = list(render_environment(job.runtime.environment))
     at_exec = environment_at_exec()
@@ -189,7 +226,9 @@ def rank_facts(job, dist=None) -> dict[str, Any]:
         "environment_at_exec": None if at_exec is None else {key: at_exec.get(key) for key in keys},
         "communication_environment": communication_environment(environ),
         # Once per node, on GPU hosts: a CPU host's nvidia-smi (drivers without devices) only fails.
-        "topology": interconnect_topology() if dist is not None and local_rank == 0 and dist.device.type == "cuda" else None,
+        "topology": interconnect_topology()
+        if dist is not None and local_rank == 0 and dist.device.type == "cuda"
+        else None,
         "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
@@ -265,11 +304,16 @@ def summarize(everyone: list[Mapping[str, Any]]) -> dict[str, Any]:
             }
             for _, members in sorted(nodes.items(), key=lambda item: item[0])
         ],
-        **{section: {name: {value: sorted(ranks) for value, ranks in seen.items()} for name, seen in values.items()} for section, values in by_value.items()},
+        **{
+            section: {name: {value: sorted(ranks) for value, ranks in seen.items()} for name, seen in values.items()}
+            for section, values in by_value.items()
+        },
     }
 
 
-def find_problems(summary: Mapping[str, Any], everyone: list[Mapping[str, Any]], gpus_per_node: int | None) -> list[str]:
+def find_problems(
+    summary: Mapping[str, Any], everyone: list[Mapping[str, Any]], gpus_per_node: int | None
+) -> list[str]:
     """Mismatches that would make the job fail later, less clearly (or hang); empty when all is well."""
     problems = []
     for name in CHECKED_VERSIONS:
@@ -279,18 +323,24 @@ def find_problems(summary: Mapping[str, Any], everyone: list[Mapping[str, Any]],
             problems.append(f"ranks run different {name} versions ({listing}): install the same {name} on every node")
     kinds = {"cpu" if kind == "cpu" else "gpu" for node in summary["nodes"] for kind in node["device_kinds"]}
     if len(kinds) > 1:
-        listing = "; ".join(f"node {node['node_rank']} ({node['host']}): {', '.join(node['device_kinds'])}" for node in summary["nodes"])
+        listing = "; ".join(
+            f"node {node['node_rank']} ({node['host']}): {', '.join(node['device_kinds'])}" for node in summary["nodes"]
+        )
         problems.append(f"some ranks run on CPUs and others on GPUs ({listing})")
     for node in summary["nodes"]:
         if gpus_per_node is not None and node["node_devices"] < gpus_per_node:
-            problems.append(f"node {node['node_rank']} ({node['host']}) has {node['node_devices']} GPUs, infra.gpus_per_node says {gpus_per_node}")
+            problems.append(
+                f"node {node['node_rank']} ({node['host']}) has {node['node_devices']} GPUs, infra.gpus_per_node says {gpus_per_node}"
+            )
     places: dict[tuple, list[int]] = {}
     for facts in everyone:
         node = f"node {facts['node_rank']}" if facts["node_rank"] is not None else f"host {facts['host']}"
         places.setdefault((node, facts["local_rank"]), []).append(facts["rank"])
     for (node, local_rank), ranks in places.items():
         if len(ranks) > 1:
-            problems.append(f"ranks {rank_ranges(ranks)} all claim local rank {local_rank} of {node}: the launchers of the nodes disagree")
+            problems.append(
+                f"ranks {rank_ranges(ranks)} all claim local rank {local_rank} of {node}: the launchers of the nodes disagree"
+            )
     return problems
 
 
@@ -299,19 +349,34 @@ def describe(summary: Mapping[str, Any]) -> list[str]:
     nodes = summary["nodes"]
     per_node = sorted({len(node["ranks"]) for node in nodes})
     shown = {name: sorted(summary["versions"].get(name, {})) for name in ("python", *CHECKED_VERSIONS, "cuda")}
-    versions = ", ".join(f"{name} {'/'.join(values)}" for name, values in shown.items() if values not in ([], ["None"]))  # no cuda on CPU hosts
-    lines = [f"{summary['world_size']} ranks on {len(nodes)} nodes ({'/'.join(map(str, per_node))} per node); {versions}"]
+    versions = ", ".join(
+        f"{name} {'/'.join(values)}" for name, values in shown.items() if values not in ([], ["None"])
+    )  # no cuda on CPU hosts
+    lines = [
+        f"{summary['world_size']} ranks on {len(nodes)} nodes ({'/'.join(map(str, per_node))} per node); {versions}"
+    ]
     for node in nodes:
-        lines.append(f"node {node['node_rank']} {node['host']}: ranks {rank_ranges(node['ranks'])} on {', '.join(node['device_kinds'])}; {node['node_devices']} GPUs on the node")
+        lines.append(
+            f"node {node['node_rank']} {node['host']}: ranks {rank_ranges(node['ranks'])} on {', '.join(node['device_kinds'])}; {node['node_devices']} GPUs on the node"
+        )
     settings = summary["communication_environment"]
     if not settings:
         lines.append("NCCL/CUDA environment: none set")
     for name, seen in sorted(settings.items()):
-        where = "" if sum(len(ranks) for ranks in seen.values()) == summary["world_size"] and len(seen) == 1 else " (ranks differ)"
-        lines.append(f"{name}{where}: " + "; ".join(f"{value!r} on ranks {rank_ranges(ranks)}" for value, ranks in sorted(seen.items())))
+        where = (
+            ""
+            if sum(len(ranks) for ranks in seen.values()) == summary["world_size"] and len(seen) == 1
+            else " (ranks differ)"
+        )
+        lines.append(
+            f"{name}{where}: "
+            + "; ".join(f"{value!r} on ranks {rank_ranges(ranks)}" for value, ranks in sorted(seen.items()))
+        )
     for node in nodes:
         if node["topology"]:
-            lines.append(f"topology of node {node['node_rank']} {node['host']} (nvidia-smi topo -m):\n{node['topology'].rstrip()}")
+            lines.append(
+                f"topology of node {node['node_rank']} {node['host']} (nvidia-smi topo -m):\n{node['topology'].rstrip()}"
+            )
     return lines
 
 
@@ -334,7 +399,9 @@ def preflight_check(job, dist, facts: Mapping[str, Any] | None = None) -> dict[s
 
 def main(argv: list[str] | None = None) -> int:
     """`deepspeed astrai/preflight.py --config job.yaml [--set k=v ...]`: every rank reports and checks, then exits."""
-    parser = argparse.ArgumentParser(prog="astrai/preflight.py", description="Report every rank and check that they match; trains nothing.")
+    parser = argparse.ArgumentParser(
+        prog="astrai/preflight.py", description="Report every rank and check that they match; trains nothing."
+    )
     parser.add_argument("--config", required=True)
     parser.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -379,7 +446,9 @@ def main(argv: list[str] | None = None) -> int:
         shutdown_distributed()
         lock.release()
     if dist.is_main:
-        print(f"preflight ok: {summary['world_size']} ranks on {len(summary['nodes'])} nodes; reports in {ranks_folder(job)}")
+        print(
+            f"preflight ok: {summary['world_size']} ranks on {len(summary['nodes'])} nodes; reports in {ranks_folder(job)}"
+        )
     return 0
 
 

@@ -61,16 +61,23 @@ def _words(value, count: int, bound: int) -> bool:
 def _python_state_ok(state) -> bool:
     """[version, 625 words, gauss_next or null] (random.getstate())."""
     return (
-        isinstance(state, list) and len(state) == 3 and _is_int(state[0])
-        and _words(state[1], PYTHON_STATE_WORDS, 2**32) and (state[2] is None or isinstance(state[2], (int, float)))
+        isinstance(state, list)
+        and len(state) == 3
+        and _is_int(state[0])
+        and _words(state[1], PYTHON_STATE_WORDS, 2**32)
+        and (state[2] is None or isinstance(state[2], (int, float)))
     )
 
 
 def _numpy_state_ok(state) -> bool:
     """[name, 624 uint32, pos, has_gauss, cached_gaussian] (numpy.random.get_state())."""
     return (
-        isinstance(state, list) and len(state) == 5 and isinstance(state[0], str)
-        and _words(state[1], NUMPY_STATE_WORDS, 2**32 - 1) and _is_int(state[2]) and _is_int(state[3])
+        isinstance(state, list)
+        and len(state) == 5
+        and isinstance(state[0], str)
+        and _words(state[1], NUMPY_STATE_WORDS, 2**32 - 1)
+        and _is_int(state[2])
+        and _is_int(state[3])
         and isinstance(state[4], (int, float))
     )
 

@@ -145,7 +145,7 @@ class RunLock:
     def record_path(self) -> Path:
         return self.output_dir / RECORD_NAME
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         import fcntl
 
         self.output_dir.mkdir(parents=True, exist_ok=True)

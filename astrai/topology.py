@@ -34,8 +34,8 @@ import sys
 from pathlib import Path
 
 from astrai.checkpoint import CheckpointError, CheckpointPublisher, find_latest, read_manifest, verify_checkpoint
-from astrai.checkpoint.manifest import MANIFEST_NAME
 from astrai.checkpoint.layout import DERIVED_DIRS
+from astrai.checkpoint.manifest import MANIFEST_NAME
 
 logger = logging.getLogger("astrai.topology")
 
@@ -57,7 +57,11 @@ def is_portable(manifest) -> bool:
 def recorded_topology(manifest) -> dict:
     """{"world_size": W, "zero_stage": {part: S}, "precision": {part: P}} as the checkpoint's manifest records it."""
     meta = manifest.meta
-    return {"world_size": meta.get("world_size", manifest.world_size), "zero_stage": meta.get("zero_stage") or {}, "precision": meta.get("precision") or {}}
+    return {
+        "world_size": meta.get("world_size", manifest.world_size),
+        "zero_stage": meta.get("zero_stage") or {},
+        "precision": meta.get("precision") or {},
+    }
 
 
 def describe_change(recorded: dict, current: dict) -> str | None:
@@ -80,7 +84,11 @@ def continue_position(consumed_samples: int, samples_per_micro_step: int) -> int
     if aligned != consumed_samples:
         logger.warning(
             "data position: %d samples consumed is not a multiple of this run's global micro-batch of %d: "
-            "continuing from sample %d (%d samples skipped)", consumed_samples, samples_per_micro_step, aligned, aligned - consumed_samples,
+            "continuing from sample %d (%d samples skipped)",
+            consumed_samples,
+            samples_per_micro_step,
+            aligned,
+            aligned - consumed_samples,
         )
     return aligned
 
@@ -127,7 +135,14 @@ def _write_portable(checkpoint: Path, staging: Path, parts: list[str]) -> None:
     shutil.rmtree(staging / SCRATCH, ignore_errors=True)
 
 
-def convert(checkpoint: Path, *, is_main: bool = True, verify: bool = False, timeout_s: float = 600.0, target: dict | None = None) -> Path:
+def convert(
+    checkpoint: Path,
+    *,
+    is_main: bool = True,
+    verify: bool = False,
+    timeout_s: float = 600.0,
+    target: dict | None = None,
+) -> Path:
     """Publish the portable form of `checkpoint` (or reuse a valid one) and return its path.
 
     Every rank calls it (the publisher's phases are collective); rank 0 reads and writes, the
@@ -143,7 +158,9 @@ def convert(checkpoint: Path, *, is_main: bool = True, verify: bool = False, tim
     if is_portable(manifest):
         return checkpoint
     destination, digest = portable_path(checkpoint), _manifest_digest(checkpoint)
-    publisher = CheckpointPublisher(destination.parent, parts=manifest.parts, hash_algorithm=manifest.hash_algorithm, timeout_s=timeout_s)
+    publisher = CheckpointPublisher(
+        destination.parent, parts=manifest.parts, hash_algorithm=manifest.hash_algorithm, timeout_s=timeout_s
+    )
     publisher.cleanup_stale()  # a conversion that crashed left only a hidden staging folder
     # Rank 0 decides for all: ranks that saw the folder differently would not call publish together.
     if all_gather_objects(reusable(destination, digest, digests=verify) if is_main else None)[0]:
@@ -218,14 +235,28 @@ def convert_main(argv: list[str]) -> int:
         "<checkpoints>/portable/step_<N>/, so a resume on another world size or ZeRO stage loads it without converting. "
         "The portable form loads on any topology: --world-size and --zero-stage are only checked and recorded.",
     )
-    parser.add_argument("checkpoint", help="a checkpoint folder (step_<N>), or a run's output_dir for its newest checkpoint")
-    parser.add_argument("--world-size", type=int, default=None, help="the world size you will resume on (recorded only)")
-    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None, help="the ZeRO stage you will resume with (recorded only)")
+    parser.add_argument(
+        "checkpoint", help="a checkpoint folder (step_<N>), or a run's output_dir for its newest checkpoint"
+    )
+    parser.add_argument(
+        "--world-size", type=int, default=None, help="the world size you will resume on (recorded only)"
+    )
+    parser.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=(0, 1, 2, 3),
+        default=None,
+        help="the ZeRO stage you will resume with (recorded only)",
+    )
     args = parser.parse_args(argv)
     if args.world_size is not None and args.world_size < 1:
         parser.error(f"--world-size must be >= 1, got {args.world_size}")  # exits with status 2
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    target = {key: value for key, value in (("world_size", args.world_size), ("zero_stage", args.zero_stage)) if value is not None}
+    target = {
+        key: value
+        for key, value in (("world_size", args.world_size), ("zero_stage", args.zero_stage))
+        if value is not None
+    }
     try:
         checkpoint = _resolve(args.checkpoint)
         verify_checkpoint(checkpoint, digests=False)  # the listing and sizes: a damaged original is not converted

@@ -27,12 +27,24 @@ SHORTHANDS = {"ppo_gamma": "rl.gamma", "ppo_gae_lambda": "rl.gae_lambda", "ppo_v
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="astrai/train.py", description="Train a model from one job YAML.")
     parser.add_argument("--config", required=True, help="job YAML (see docs/guides/config.md)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a key (value parsed as YAML); repeatable")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="override a key (value parsed as YAML); repeatable",
+    )
     for option, key in SHORTHANDS.items():
-        parser.add_argument(f"--{option}", type=float, default=None, metavar="X", help=f"online_ppo: the same as --set {key}=X")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the deepspeed launcher
+        parser.add_argument(
+            f"--{option}", type=float, default=None, metavar="X", help=f"online_ppo: the same as --set {key}=X"
+        )
+    parser.add_argument(
+        "--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS
+    )  # passed by the deepspeed launcher
     args = parser.parse_args(argv)
-    args.set = args.set + [f"{key}={getattr(args, option)!r}" for option, key in SHORTHANDS.items() if getattr(args, option) is not None]
+    args.set = args.set + [
+        f"{key}={getattr(args, option)!r}" for option, key in SHORTHANDS.items() if getattr(args, option) is not None
+    ]
     return args
 
 
@@ -62,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     from astrai.engine.distributed import RendezvousError
     from astrai.errors import AstraiError
     from astrai.launcher_watch import at_orphan_exit
-    from astrai.run_lock import agree_on_lock, describe_os_error, lock_for_this_rank
     from astrai.preflight import preflight_check, prepare_rank_environment, write_rank_report
+    from astrai.run_lock import agree_on_lock, describe_os_error, lock_for_this_rank
     from astrai.trainer import TRAIN_LOOPS
 
     prepare_rank_environment()  # ranks started by mpirun/srun get torch's RANK, WORLD_SIZE, LOCAL_RANK

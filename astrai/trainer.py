@@ -19,11 +19,11 @@ from collections import defaultdict
 import torch
 
 from astrai.build import Run
-from astrai.checkpointing import TrainingCheckpoints, TrainerState
+from astrai.checkpointing import TrainerState, TrainingCheckpoints
 from astrai.engine import Engine, all_reduce_sum, all_reduce_sums
+from astrai.errors import AstraiError
 from astrai.metrics import MetricsLog
 from astrai.rollout import rollout_metrics
-from astrai.errors import AstraiError
 
 logger = logging.getLogger("astrai.trainer")
 
@@ -63,8 +63,14 @@ def finish_update(engine: Engine, run: Run, nonfinite_loss: bool, what: str, ste
         )
     if ranks:
         engine.skip_update()
-        logger.warning("step %d: non-finite %s loss or gradient on %d ranks: update skipped "
-                       "(train.on_nonfinite: skip_step; %d skipped so far)", step, what, ranks, engine.skipped_steps)
+        logger.warning(
+            "step %d: non-finite %s loss or gradient on %d ranks: update skipped "
+            "(train.on_nonfinite: skip_step; %d skipped so far)",
+            step,
+            what,
+            ranks,
+            engine.skipped_steps,
+        )
         return False
     skipped_before = engine.skipped_steps
     engine.step()
@@ -94,7 +100,9 @@ def _add(sums: dict[str, float], output) -> None:
         sums[key] += value
 
 
-def _close_step(run: Run, state: TrainerState, record: dict, metrics: MetricsLog, checkpoints: TrainingCheckpoints) -> None:
+def _close_step(
+    run: Run, state: TrainerState, record: dict, metrics: MetricsLog, checkpoints: TrainingCheckpoints
+) -> None:
     """End of every step of either loop: log (every log_every_steps and the last), then publish when due."""
     if state.step % run.job.train.log_every_steps == 0 or state.step == run.total_steps:
         metrics.log(state.step, record)
@@ -133,8 +141,12 @@ def train_offline(run: Run) -> TrainerState:
     checkpoints = TrainingCheckpoints(run)
     state = checkpoints.resume()  # restores engines, RNG and the data position, or starts fresh
     metrics = MetricsLog(
-        run.output_dir, is_main=run.dist.is_main, total_steps=run.total_steps, start_step=state.step,
-        tensorboard=job.runtime.tensorboard, progress_bar=job.runtime.progress_bar,
+        run.output_dir,
+        is_main=run.dist.is_main,
+        total_steps=run.total_steps,
+        start_step=state.step,
+        tensorboard=job.runtime.tensorboard,
+        progress_bar=job.runtime.progress_bar,
     )
     batches = run.order.micro_batches(state.consumed_samples)
     run_started = time.perf_counter() - state.elapsed_s
@@ -154,8 +166,15 @@ def train_offline(run: Run) -> TrainerState:
             weight = max(totals.pop("weight", 1.0), 1.0)
             tokens = totals.pop("tokens")
             record = {key: value / weight for key, value in totals.items()}
-            record.update(lr=lr, grad_norm=policy.grad_norm, tokens=int(tokens), tokens_per_s=tokens / step_seconds,
-                          elapsed_s=state.elapsed_s, epoch=state.epoch, samples=state.consumed_samples)
+            record.update(
+                lr=lr,
+                grad_norm=policy.grad_norm,
+                tokens=int(tokens),
+                tokens_per_s=tokens / step_seconds,
+                elapsed_s=state.elapsed_s,
+                epoch=state.epoch,
+                samples=state.consumed_samples,
+            )
             _add_skipped(record, run, policy)
             _close_step(run, state, record, metrics, checkpoints)
     finally:
@@ -170,7 +189,11 @@ def _add_skipped(record: dict, run: Run, policy: Engine) -> None:
         record["skipped_steps"] = policy.skipped_steps
 
 
-PER_LOSS_UNIT = ("loss", "policy_loss", "value_loss")  # divided by the loss units (`weight`); other training sums by tokens
+PER_LOSS_UNIT = (
+    "loss",
+    "policy_loss",
+    "value_loss",
+)  # divided by the loss units (`weight`); other training sums by tokens
 
 
 def _online_record(totals: dict[str, float]) -> dict[str, float]:
@@ -192,8 +215,12 @@ def train_online(run: Run) -> TrainerState:
     state = checkpoints.resume()  # restores the engines, the policy version and the prompt position
     strategy.load_state_dict(state.strategy)  # e.g. the adaptive KL coefficient
     metrics = MetricsLog(
-        run.output_dir, is_main=run.dist.is_main, total_steps=run.total_steps, start_step=state.step,
-        tensorboard=job.runtime.tensorboard, progress_bar=job.runtime.progress_bar,
+        run.output_dir,
+        is_main=run.dist.is_main,
+        total_steps=run.total_steps,
+        start_step=state.step,
+        tensorboard=job.runtime.tensorboard,
+        progress_bar=job.runtime.progress_bar,
     )
     prompt_batches = strategy.prompt_batches(state.consumed_samples)
     run_started = time.perf_counter() - state.elapsed_s
@@ -221,8 +248,10 @@ def train_online(run: Run) -> TrainerState:
                     weights = [strategy.loss_weight(batch) for batch in micro_batches]
                     normalizer = max(all_reduce_sum(sum(weights), device), 1.0) / (world * accumulation)
                     nonfinite, applied = {"policy": False, "critic": False}, {"policy": False}
-                    parts = (("policy", policy, strategy.compute_loss),
-                             ("critic", critic, strategy.compute_critic_loss))
+                    parts = (
+                        ("policy", policy, strategy.compute_loss),
+                        ("critic", critic, strategy.compute_critic_loss),
+                    )
                     for index, (batch, weight) in enumerate(zip(micro_batches, weights)):
                         last = index == len(micro_batches) - 1
                         for part, engine, compute in parts:
@@ -249,8 +278,16 @@ def train_online(run: Run) -> TrainerState:
             state.strategy = strategy.state_dict()
             record = _online_record(_global_sums({**sums, **rollout.metric_sums()}, device))
             record.update(sample.metrics)  # already global: dynamic sampling's rounds and groups
-            record.update(lr=lr, grad_norm=policy.grad_norm, rollout_s=rollout_seconds, train_s=train_seconds,
-                          policy_version=state.policy_version, elapsed_s=state.elapsed_s, epoch=state.epoch, samples=state.consumed_samples)
+            record.update(
+                lr=lr,
+                grad_norm=policy.grad_norm,
+                rollout_s=rollout_seconds,
+                train_s=train_seconds,
+                policy_version=state.policy_version,
+                elapsed_s=state.elapsed_s,
+                epoch=state.epoch,
+                samples=state.consumed_samples,
+            )
             if critic is not None:
                 record.update(policy_grad_norm=policy.grad_norm, critic_grad_norm=critic.grad_norm, critic_lr=critic_lr)
             _add_skipped(record, run, policy)

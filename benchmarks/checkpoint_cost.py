@@ -39,13 +39,31 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    add_launch_arguments, REPO, child_env, command_line, deepspeed_command, fmt, fmt_summary, fresh_workspace, launch, machine_line,
-    markdown_table, model_init, parameter_count, require_success, summarize, write_results,
+    REPO,
+    add_launch_arguments,
+    child_env,
+    command_line,
+    deepspeed_command,
+    fmt,
+    fmt_summary,
+    fresh_workspace,
+    launch,
+    machine_line,
+    markdown_table,
+    model_init,
+    parameter_count,
+    require_success,
+    summarize,
+    write_results,
 )
 
 METHODS = ("plain", "plain+fsync", "publish", "publish_reread", "publish_xxh3", "publish_async", "disk")
-PUBLISHED = {"publish": "published", "publish_reread": "published_reread", "publish_xxh3": "published_xxh3",
-             "publish_async": "published_async"}
+PUBLISHED = {
+    "publish": "published",
+    "publish_reread": "published_reread",
+    "publish_xxh3": "published_xxh3",
+    "publish_async": "published_async",
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,7 +72,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--stages", default="2,3")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--overlap-steps", type=int, default=2, help="optimizer steps timed while an async save finishes")
+    parser.add_argument(
+        "--overlap-steps", type=int, default=2, help="optimizer steps timed while an async save finishes"
+    )
     parser.add_argument("--hash-mib", type=int, default=256, help="buffer hashed in memory per algorithm")
     add_launch_arguments(parser, "checkpoint_cost")
     return parser.parse_args(argv)
@@ -159,8 +179,18 @@ def worker(plan: dict) -> int:
         for size in plan["sizes"]:
             init = model_init(size, 64)
             template = REPO / "ds_configs" / f"zero{stage}.json"
-            config = build_ds_config(DeepSpeedSection(zero_stage=stage), template_path=template, micro_batch_size=2, grad_accum_steps=1,
-                                     max_grad_norm=1.0, precision="fp32", lr=1e-3, betas=(0.9, 0.95), eps=1e-8, world_size=world)
+            config = build_ds_config(
+                DeepSpeedSection(zero_stage=stage),
+                template_path=template,
+                micro_batch_size=2,
+                grad_accum_steps=1,
+                max_grad_norm=1.0,
+                precision="fp32",
+                lr=1e-3,
+                betas=(0.9, 0.95),
+                eps=1e-8,
+                world_size=world,
+            )
             engine = make_engine(build_model(init, 0), config, weight_decay=0.0, schedule=lambda _: 1.0)
             ids = torch.randint(0, init["vocab_size"], (2, 64))
 
@@ -175,13 +205,19 @@ def worker(plan: dict) -> int:
             case = root / f"z{stage}_{size}"
             publishers = {
                 "publish": CheckpointPublisher(case / "published", parts=["policy"], hash_algorithm="sha256"),
-                "publish_reread": CheckpointPublisher(case / "published_reread", parts=["policy"], hash_algorithm="sha256"),
-                "publish_xxh3": CheckpointPublisher(case / "published_xxh3", parts=["policy"], hash_algorithm="xxh3_128"),
-                "publish_async": CheckpointPublisher(case / "published_async", parts=["policy"], hash_algorithm="sha256"),
+                "publish_reread": CheckpointPublisher(
+                    case / "published_reread", parts=["policy"], hash_algorithm="sha256"
+                ),
+                "publish_xxh3": CheckpointPublisher(
+                    case / "published_xxh3", parts=["policy"], hash_algorithm="xxh3_128"
+                ),
+                "publish_async": CheckpointPublisher(
+                    case / "published_async", parts=["policy"], hash_algorithm="sha256"
+                ),
             }
             own_bytes = None
             for repeat in range(plan["repeats"]):
-                order = list(METHODS[repeat % len(METHODS):] + METHODS[: repeat % len(METHODS)])
+                order = list(METHODS[repeat % len(METHODS) :] + METHODS[: repeat % len(METHODS)])
                 for method in order:
                     target = case / f"{method}_{repeat}"
                     dist.barrier()
@@ -201,8 +237,11 @@ def worker(plan: dict) -> int:
                             _fsync_share(target, rank, world)
                     elif method.startswith("publish"):
                         # As astrai.checkpointing writes: streamed, hashed on the way out unless the save is async.
-                        streamed = None if method == "publish_reread" else StreamedFiles(
-                            None if method == "publish_async" else publishers[method].hash_algorithm)
+                        streamed = (
+                            None
+                            if method == "publish_reread"
+                            else StreamedFiles(None if method == "publish_async" else publishers[method].hash_algorithm)
+                        )
 
                         def write(staging: Path):
                             begun = time.perf_counter()
@@ -222,8 +261,11 @@ def worker(plan: dict) -> int:
                         pending = publishers[method].pending_step is not None
                         overlapped_s = train_steps(plan["overlap_steps"])
                         report = publishers[method].wait()
-                        overlap.update(pending=total(float(pending)), with_save_s=slowest(overlapped_s),
-                                       durable_s=slowest(report.seconds))
+                        overlap.update(
+                            pending=total(float(pending)),
+                            with_save_s=slowest(overlapped_s),
+                            durable_s=slowest(report.seconds),
+                        )
                     seconds_all = slowest(seconds)
                     hash_all = slowest(hash_seconds["value"])
                     write_all = slowest(write_seconds["value"])
@@ -231,10 +273,23 @@ def worker(plan: dict) -> int:
                     if method == "plain" and own_bytes is None:
                         sizes = [p.stat().st_size for p in _files_under(target)]
                         own_bytes = int(sum(sizes) // world) + 1
-                    total_bytes = sum(p.stat().st_size for p in _files_under(case / PUBLISHED[method] if method in PUBLISHED else target))
-                    results.append({"stage": stage, "size": size, "method": method, "repeat": repeat, "seconds": seconds_all,
-                                    "hash_phase_s": hash_all if method in PUBLISHED else None,
-                                    "write_phase_s": write_all if method in PUBLISHED else None, "bytes": total_bytes, **overlap})
+                    total_bytes = sum(
+                        p.stat().st_size
+                        for p in _files_under(case / PUBLISHED[method] if method in PUBLISHED else target)
+                    )
+                    results.append(
+                        {
+                            "stage": stage,
+                            "size": size,
+                            "method": method,
+                            "repeat": repeat,
+                            "seconds": seconds_all,
+                            "hash_phase_s": hash_all if method in PUBLISHED else None,
+                            "write_phase_s": write_all if method in PUBLISHED else None,
+                            "bytes": total_bytes,
+                            **overlap,
+                        }
+                    )
                     dist.barrier()
                     if rank == 0:
                         shutil.rmtree(target, ignore_errors=True)
@@ -259,21 +314,41 @@ def main(argv=None) -> int:
     results_dir, work, info = fresh_workspace(args.results_dir, args.name)
     started = time.perf_counter()
     hashing = hashing_gbps(args.hash_mib)
-    plan = {"work": str(work / "checkpoints"), "out": str(work / "worker.json"), "repeats": args.repeats, "overlap_steps": args.overlap_steps,
-            "stages": [int(s) for s in args.stages.split(",")], "sizes": args.sizes.split(",")}
+    plan = {
+        "work": str(work / "checkpoints"),
+        "out": str(work / "worker.json"),
+        "repeats": args.repeats,
+        "overlap_steps": args.overlap_steps,
+        "stages": [int(s) for s in args.stages.split(",")],
+        "sizes": args.sizes.split(","),
+    }
     (work / "plan.json").write_text(json.dumps(plan))
-    result = launch(deepspeed_command(args.ranks, Path(__file__).resolve(), "--worker", str(work / "plan.json")),
-                    env=child_env(), timeout=1800, log=work / "launch.log")
+    result = launch(
+        deepspeed_command(args.ranks, Path(__file__).resolve(), "--worker", str(work / "plan.json")),
+        env=child_env(),
+        timeout=1800,
+        log=work / "launch.log",
+    )
     require_success(result, "the checkpoint worker launch")
     measured = json.loads((work / "worker.json").read_text())["results"]
     hashing_after = hashing_gbps(args.hash_mib)
-    hashing = {name: max(v for v in (hashing[name], hashing_after[name]) if v is not None) if hashing[name] else None for name in hashing}
+    hashing = {
+        name: max(v for v in (hashing[name], hashing_after[name]) if v is not None) if hashing[name] else None
+        for name in hashing
+    }
     cases = summarize_cases(measured, plan["stages"], plan["sizes"], args.repeats)
-    payload = {"benchmark": "checkpoint_cost", "command": command_line(), "machine": info, "settings": vars(args), "hashing_gbps": hashing,
-               "cases": cases, "runs": measured, "total_s": time.perf_counter() - started}
+    payload = {
+        "benchmark": "checkpoint_cost",
+        "command": command_line(),
+        "machine": info,
+        "settings": vars(args),
+        "hashing_gbps": hashing,
+        "cases": cases,
+        "runs": measured,
+        "total_s": time.perf_counter() - started,
+    }
     write_results(args.name, payload, render_markdown(payload), results_dir)
     return 0
-
 
 
 def summarize_cases(measured: list[dict], stages: list[int], sizes: list[str], repeats: int) -> list[dict]:
@@ -283,31 +358,52 @@ def summarize_cases(measured: list[dict], stages: list[int], sizes: list[str], r
         for size in sizes:
             rows = [r for r in measured if r["stage"] == stage and r["size"] == size]
             by = {(r["method"], r["repeat"]): r for r in rows}
-            case = {"stage": stage, "size": size, "parameters": parameter_count(model_init(size, 64)),
-                    "bytes": next(r["bytes"] for r in rows if r["method"] == "plain")}
+            case = {
+                "stage": stage,
+                "size": size,
+                "parameters": parameter_count(model_init(size, 64)),
+                "bytes": next(r["bytes"] for r in rows if r["method"] == "plain"),
+            }
             for method in METHODS:
                 case[method] = summarize([by[(method, k)]["seconds"] for k in range(repeats) if (method, k) in by])
             for method in METHODS[1:]:
-                case[f"{method}/plain"] = summarize([by[(method, k)]["seconds"] / by[("plain", k)]["seconds"] for k in range(repeats)])
+                case[f"{method}/plain"] = summarize(
+                    [by[(method, k)]["seconds"] / by[("plain", k)]["seconds"] for k in range(repeats)]
+                )
             case["publish/publish_reread"] = summarize(
-                [by[("publish", k)]["seconds"] / by[("publish_reread", k)]["seconds"] for k in range(repeats)])
-            for method in ("publish", "publish_reread", "publish_xxh3"):  # what a crash-safe publish costs beyond durability itself
-                case[f"{method}/plain+fsync"] = summarize([by[(method, k)]["seconds"] / by[("plain+fsync", k)]["seconds"] for k in range(repeats)])
+                [by[("publish", k)]["seconds"] / by[("publish_reread", k)]["seconds"] for k in range(repeats)]
+            )
+            for method in (
+                "publish",
+                "publish_reread",
+                "publish_xxh3",
+            ):  # what a crash-safe publish costs beyond durability itself
+                case[f"{method}/plain+fsync"] = summarize(
+                    [by[(method, k)]["seconds"] / by[("plain+fsync", k)]["seconds"] for k in range(repeats)]
+                )
             asyncs = [by[("publish_async", k)] for k in range(repeats) if ("publish_async", k) in by]
-            case["publish_async_durable/plain"] = summarize([r["durable_s"] / by[("plain", r["repeat"])]["seconds"] for r in asyncs])
+            case["publish_async_durable/plain"] = summarize(
+                [r["durable_s"] / by[("plain", r["repeat"])]["seconds"] for r in asyncs]
+            )
             case["publish_async_durable/plain+fsync"] = summarize(
-                [r["durable_s"] / by[("plain+fsync", r["repeat"])]["seconds"] for r in asyncs])
+                [r["durable_s"] / by[("plain+fsync", r["repeat"])]["seconds"] for r in asyncs]
+            )
             case["steps_during_async/alone"] = summarize([r["with_save_s"] / r["steps_before_s"] for r in asyncs])
             case["steps_alone_s"] = summarize([r["steps_before_s"] for r in asyncs])
-            case["async_pending_ranks"] = summarize([r["pending"] for r in asyncs])  # ranks whose save was still in flight
-            case["publish/disk"] = summarize([by[("publish", k)]["seconds"] / by[("disk", k)]["seconds"] for k in range(repeats)])
+            case["async_pending_ranks"] = summarize(
+                [r["pending"] for r in asyncs]
+            )  # ranks whose save was still in flight
+            case["publish/disk"] = summarize(
+                [by[("publish", k)]["seconds"] / by[("disk", k)]["seconds"] for k in range(repeats)]
+            )
             case["disk_gbps"] = summarize([case["bytes"] / by[("disk", k)]["seconds"] / 1e9 for k in range(repeats)])
             for method in PUBLISHED:
                 case[f"{method}_hash_phase_s"] = summarize([by[(method, k)]["hash_phase_s"] for k in range(repeats)])
                 case[f"{method}_write_phase_s"] = summarize([by[(method, k)]["write_phase_s"] for k in range(repeats)])
                 # what the publisher itself holds training for, beyond DeepSpeed writing the shards
                 case[f"{method}_own_blocking_s"] = summarize(
-                    [by[(method, k)]["seconds"] - by[(method, k)]["write_phase_s"] for k in range(repeats)])
+                    [by[(method, k)]["seconds"] - by[(method, k)]["write_phase_s"] for k in range(repeats)]
+                )
             cases.append(case)
     return cases
 
@@ -318,7 +414,9 @@ def render_markdown(payload: dict) -> str:
         f"### Checkpoint cost ({settings['ranks']} ranks, {settings['repeats']} rounds; times are the slowest rank's)",
         "",
         machine_line(payload["machine"]),
-        "Hashing in memory, one thread: " + ", ".join(f"{name} {fmt(value)} GB/s" for name, value in hashing.items()) + ".",
+        "Hashing in memory, one thread: "
+        + ", ".join(f"{name} {fmt(value)} GB/s" for name, value in hashing.items())
+        + ".",
         "",
         "Ratios of times, each against a baseline of the same round: median [min–max]. Plain = DeepSpeed's own `save_checkpoint` of the "
         "same engine (page cache, no fsync); target: publish <= 1.25 x plain. Publishes stream DeepSpeed's shards (hashed as written, "
@@ -327,32 +425,80 @@ def render_markdown(payload: dict) -> str:
     ]
     rows = []
     for case in payload["cases"]:
-        rows.append([f"ZeRO-{case['stage']} {case['size']} ({case['parameters'] / 1e6:.1f}M params, {case['bytes'] / 2**20:.0f} MiB)",
-                     fmt_summary(case["plain"], 2), fmt_summary(case["plain+fsync/plain"]), fmt_summary(case["publish/plain"]),
-                     fmt_summary(case["publish_xxh3/plain"]), fmt_summary(case["publish_reread/plain"]), fmt_summary(case["publish/publish_reread"]),
-                     fmt_summary(case["publish/plain+fsync"]), fmt_summary(case["publish_xxh3/plain+fsync"]),
-                     fmt_summary(case["disk/plain"]), fmt_summary(case["disk_gbps"], 2),
-                     f"{fmt(case['publish_write_phase_s']['median'])} / {fmt(case['publish_hash_phase_s']['median'])}"])
-    lines.append(markdown_table(["case", "plain save (s)", "plain + fsync ÷ plain", "publish sha256 ÷ plain", "publish xxh3 ÷ plain",
-                                 "publish sha256, not streamed (read back) ÷ plain", "publish sha256 streamed ÷ not streamed",
-                                 "publish sha256 ÷ (plain + fsync)", "publish xxh3 ÷ (plain + fsync)",
-                                 "disk write+fsync of the same bytes ÷ plain", "disk GB/s (both ranks, fsync)",
-                                 "publish sha256: write / fsync+hash phase (s)"], rows))
-    lines += ["", f"checkpoint.async_save (sha256): training is blocked only while the shards are written; hashing, fsync, "
-              f"manifest and rename run in a background thread while {settings['overlap_steps']} optimizer step(s) go on, "
-              "timed against the same steps just before it with no save in flight. Durable = until the background "
-              "save's rename (its report's seconds).", ""]
+        rows.append(
+            [
+                f"ZeRO-{case['stage']} {case['size']} ({case['parameters'] / 1e6:.1f}M params, {case['bytes'] / 2**20:.0f} MiB)",
+                fmt_summary(case["plain"], 2),
+                fmt_summary(case["plain+fsync/plain"]),
+                fmt_summary(case["publish/plain"]),
+                fmt_summary(case["publish_xxh3/plain"]),
+                fmt_summary(case["publish_reread/plain"]),
+                fmt_summary(case["publish/publish_reread"]),
+                fmt_summary(case["publish/plain+fsync"]),
+                fmt_summary(case["publish_xxh3/plain+fsync"]),
+                fmt_summary(case["disk/plain"]),
+                fmt_summary(case["disk_gbps"], 2),
+                f"{fmt(case['publish_write_phase_s']['median'])} / {fmt(case['publish_hash_phase_s']['median'])}",
+            ]
+        )
+    lines.append(
+        markdown_table(
+            [
+                "case",
+                "plain save (s)",
+                "plain + fsync ÷ plain",
+                "publish sha256 ÷ plain",
+                "publish xxh3 ÷ plain",
+                "publish sha256, not streamed (read back) ÷ plain",
+                "publish sha256 streamed ÷ not streamed",
+                "publish sha256 ÷ (plain + fsync)",
+                "publish xxh3 ÷ (plain + fsync)",
+                "disk write+fsync of the same bytes ÷ plain",
+                "disk GB/s (both ranks, fsync)",
+                "publish sha256: write / fsync+hash phase (s)",
+            ],
+            rows,
+        )
+    )
+    lines += [
+        "",
+        f"checkpoint.async_save (sha256): training is blocked only while the shards are written; hashing, fsync, "
+        f"manifest and rename run in a background thread while {settings['overlap_steps']} optimizer step(s) go on, "
+        "timed against the same steps just before it with no save in flight. Durable = until the background "
+        "save's rename (its report's seconds).",
+        "",
+    ]
     rows = []
     for case in payload["cases"]:
-        rows.append([f"ZeRO-{case['stage']} {case['size']}", fmt_summary(case["publish/plain"]), fmt_summary(case["publish_async/plain"]),
-                     f"{fmt(case['publish_own_blocking_s']['median'], 3)} / {fmt(case['publish_async_own_blocking_s']['median'], 3)}",
-                     fmt_summary(case["publish_async_durable/plain"]), fmt_summary(case["publish_async_durable/plain+fsync"]),
-                     fmt_summary(case["steps_alone_s"], 2), fmt_summary(case["steps_during_async/alone"]),
-                     fmt(case["async_pending_ranks"]["median"], 1)])
-    lines.append(markdown_table(["case", "publish (sync) ÷ plain", "async: blocked ÷ plain",
-                                 "publisher's own blocking beyond the shard write, sync / async (s)", "async: durable ÷ plain",
-                                 "async: durable ÷ (plain + fsync)", "steps alone (s)", "steps during the async save ÷ alone",
-                                 "ranks still publishing when the call returned"], rows))
+        rows.append(
+            [
+                f"ZeRO-{case['stage']} {case['size']}",
+                fmt_summary(case["publish/plain"]),
+                fmt_summary(case["publish_async/plain"]),
+                f"{fmt(case['publish_own_blocking_s']['median'], 3)} / {fmt(case['publish_async_own_blocking_s']['median'], 3)}",
+                fmt_summary(case["publish_async_durable/plain"]),
+                fmt_summary(case["publish_async_durable/plain+fsync"]),
+                fmt_summary(case["steps_alone_s"], 2),
+                fmt_summary(case["steps_during_async/alone"]),
+                fmt(case["async_pending_ranks"]["median"], 1),
+            ]
+        )
+    lines.append(
+        markdown_table(
+            [
+                "case",
+                "publish (sync) ÷ plain",
+                "async: blocked ÷ plain",
+                "publisher's own blocking beyond the shard write, sync / async (s)",
+                "async: durable ÷ plain",
+                "async: durable ÷ (plain + fsync)",
+                "steps alone (s)",
+                "steps during the async save ÷ alone",
+                "ranks still publishing when the call returned",
+            ],
+            rows,
+        )
+    )
     lines += ["", f"Command: `{payload['command']}` ({payload['total_s'] / 60:.1f} min)."]
     return "\n".join(lines)
 

@@ -28,9 +28,30 @@ RESULTS = REPO / "benchmarks" / "results"
 # Model sizes shared by the benchmarks. `small` is the issue's reference Llama (8.4M parameters:
 # hidden 256, 4 layers, vocab 8192, untied embeddings); `tiny` is for the smoke tests.
 MODELS: dict[str, dict[str, Any]] = {
-    "tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256),
-    "small": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, vocab_size=8192),
-    "medium": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8, vocab_size=8192),
+    "tiny": dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+    ),
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=8192,
+    ),
+    "medium": dict(
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=8192,
+    ),
 }
 
 
@@ -100,7 +121,9 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def matmul_peak_gflops(threads: int | None = None, size: int = 1024, seconds: float = 1.5, dtype: str = "float32") -> float:
+def matmul_peak_gflops(
+    threads: int | None = None, size: int = 1024, seconds: float = 1.5, dtype: str = "float32"
+) -> float:
     """Best observed GFLOP/s of a square matmul (2 n^3 FLOPs) with `threads` intra-op threads.
 
     Best over ~`seconds` of repeats: the machine is shared, and the peak is what the hardware can do.
@@ -179,7 +202,9 @@ def fmt_summary(summary: dict[str, Any], digits: int = 2) -> str:
 
 def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-    lines += ["| " + " | ".join(fmt(cell) if not isinstance(cell, str) else cell for cell in row) + " |" for row in rows]
+    lines += [
+        "| " + " | ".join(fmt(cell) if not isinstance(cell, str) else cell for cell in row) + " |" for row in rows
+    ]
     return "\n".join(lines)
 
 
@@ -216,7 +241,9 @@ def fresh_workspace(results_dir: str | Path, name: str) -> tuple[Path, Path, dic
     return results_dir, work, info
 
 
-def write_results(name: str, payload: dict[str, Any], markdown: str, results_dir: Path | None = None) -> tuple[Path, Path]:
+def write_results(
+    name: str, payload: dict[str, Any], markdown: str, results_dir: Path | None = None
+) -> tuple[Path, Path]:
     """`<results>/<name>.json` (everything measured) and `<name>.md` (the table for docs/benchmarks.md)."""
     folder = Path(results_dir or RESULTS)
     folder.mkdir(parents=True, exist_ok=True)
@@ -250,8 +277,13 @@ def child_env(**extra: str) -> dict[str, str]:
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env.pop(name, None)  # each variant sets what it measures
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_DISABLE_PROGRESS_BARS="1", PYTHONUNBUFFERED="1",
-               TOKENIZERS_PARALLELISM="false")
+    env.update(
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        HF_DATASETS_DISABLE_PROGRESS_BARS="1",
+        PYTHONUNBUFFERED="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
     env.update({key: str(value) for key, value in extra.items()})
     return env
 
@@ -301,7 +333,9 @@ def _peak_rss_mib(pid: int) -> float | None:
     return None
 
 
-def launch(command: list[str], *, env: dict[str, str], timeout: float = 900, poll_s: float = 0.2, log: Path | None = None) -> Launch:
+def launch(
+    command: list[str], *, env: dict[str, str], timeout: float = 900, poll_s: float = 0.2, log: Path | None = None
+) -> Launch:
     """Run `command` (a launcher or one process), timestamping every output fragment and polling the
     peak RSS (VmHWM, a high-water mark kept by the kernel) of each rank process until it exits.
 
@@ -375,6 +409,7 @@ def _cmdline(process) -> list[str]:
 def busy_fraction(seconds: float = 1.0) -> float:
     """Share of all CPUs busy (any process) over `seconds`, from /proc/stat: how loaded the shared
     machine was just before a launch."""
+
     def sample() -> tuple[int, int]:
         fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
         idle = fields[3] + (fields[4] if len(fields) > 4 else 0)

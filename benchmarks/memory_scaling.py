@@ -28,8 +28,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    add_launch_arguments, REPO, child_env, command_line, deepspeed_command, fmt, fresh_workspace, launch, machine_line, markdown_table,
-    model_init, parameter_count, require_success, write_results,
+    REPO,
+    add_launch_arguments,
+    child_env,
+    command_line,
+    deepspeed_command,
+    fmt,
+    fresh_workspace,
+    launch,
+    machine_line,
+    markdown_table,
+    model_init,
+    parameter_count,
+    require_success,
+    write_results,
 )
 
 
@@ -76,9 +88,18 @@ def worker(plan: dict) -> int:
     rss_before = _rss_mib()
     init = model_init(plan["size"], 64)
     template = REPO / "ds_configs" / f"zero{stage}.json"
-    config = build_ds_config(DeepSpeedSection(zero_stage=stage), template_path=template if template.exists() else None,
-                             micro_batch_size=2, grad_accum_steps=1, max_grad_norm=1.0, precision="fp32", lr=1e-3,
-                             betas=(0.9, 0.95), eps=1e-8, world_size=info.world_size)
+    config = build_ds_config(
+        DeepSpeedSection(zero_stage=stage),
+        template_path=template if template.exists() else None,
+        micro_batch_size=2,
+        grad_accum_steps=1,
+        max_grad_norm=1.0,
+        precision="fp32",
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        world_size=info.world_size,
+    )
     engine = make_engine(build_model(init, 0), config, weight_decay=0.0, schedule=lambda _: 1.0)
     ids = torch.randint(0, init["vocab_size"], (2, 64))
     engine.backward(engine(input_ids=ids, labels=ids).loss)
@@ -93,11 +114,18 @@ def worker(plan: dict) -> int:
     else:
         parameter_bytes = _bytes(parameters)
         master = list(getattr(optimizer, "single_partition_of_fp32_groups", [])) if stage in (1, 2) else []
-    state_tensors = [v for state in basic.state.values() for k, v in state.items() if torch.is_tensor(v) and v.numel() > 1]
+    state_tensors = [
+        v for state in basic.state.values() for k, v in state.items() if torch.is_tensor(v) and v.numel() > 1
+    ]
     record = {
-        "rank": info.rank, "stage": stage, "effective_stage": engine.zero_stage,
-        "parameters": parameter_bytes, "master": _bytes(master), "optimizer": _bytes(state_tensors),
-        "rss_before_mib": rss_before, "rss_after_step_mib": _rss_mib(),
+        "rank": info.rank,
+        "stage": stage,
+        "effective_stage": engine.zero_stage,
+        "parameters": parameter_bytes,
+        "master": _bytes(master),
+        "optimizer": _bytes(state_tensors),
+        "rss_before_mib": rss_before,
+        "rss_after_step_mib": _rss_mib(),
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
     gathered = [None] * info.world_size
@@ -120,14 +148,34 @@ def main(argv=None) -> int:
     for stage in (int(s) for s in args.stages.split(",")):
         plan = {"stage": stage, "size": args.size, "out": str(work / f"z{stage}.json")}
         (work / f"plan_z{stage}.json").write_text(json.dumps(plan))
-        result = launch(deepspeed_command(args.ranks, Path(__file__).resolve(), "--worker", str(work / f"plan_z{stage}.json")),
-                        env=child_env(), log=work / f"z{stage}.log")
+        result = launch(
+            deepspeed_command(args.ranks, Path(__file__).resolve(), "--worker", str(work / f"plan_z{stage}.json")),
+            env=child_env(),
+            log=work / f"z{stage}.log",
+        )
         require_success(result, f"the ZeRO-{stage} launch")
         ranks = json.loads(Path(plan["out"]).read_text())
-        stages[stage] = {"ranks": ranks, "expected": expected_bytes(stage, parameters, args.ranks), "polled_peak_rss_mib": result.peak_rss_mib}
-        print(f"  ZeRO-{stage}: " + "; ".join(f"rank {r['rank']} {(r['parameters'] + r['master'] + r['optimizer']) / 2**20:.1f} MiB" for r in ranks))
-    payload = {"benchmark": "memory_scaling", "command": command_line(), "machine": info, "settings": vars(args), "model": init,
-               "parameters": parameters, "stages": stages, "total_s": time.perf_counter() - started}
+        stages[stage] = {
+            "ranks": ranks,
+            "expected": expected_bytes(stage, parameters, args.ranks),
+            "polled_peak_rss_mib": result.peak_rss_mib,
+        }
+        print(
+            f"  ZeRO-{stage}: "
+            + "; ".join(
+                f"rank {r['rank']} {(r['parameters'] + r['master'] + r['optimizer']) / 2**20:.1f} MiB" for r in ranks
+            )
+        )
+    payload = {
+        "benchmark": "memory_scaling",
+        "command": command_line(),
+        "machine": info,
+        "settings": vars(args),
+        "model": init,
+        "parameters": parameters,
+        "stages": stages,
+        "total_s": time.perf_counter() - started,
+    }
     write_results(args.name, payload, render_markdown(payload), results_dir)
     return 0
 
@@ -142,17 +190,40 @@ def render_markdown(payload: dict) -> str:
             held = record["parameters"] + record["master"] + record["optimizer"]
             if int(stage) == 0 and record["rank"] == 0:
                 baseline = held
-            rows.append([f"ZeRO-{stage}", record["rank"], f"{record['parameters'] / 2**20:.1f}", f"{record['master'] / 2**20:.1f}",
-                         f"{record['optimizer'] / 2**20:.1f}", f"{held / 2**20:.1f}", f"{held / expected:.3f}",
-                         fmt(held / baseline if baseline else None, 3), fmt(expected / (12.0 * parameters), 3),
-                         f"{record['rss_after_step_mib'] - record['rss_before_mib']:.0f}"])
+            rows.append(
+                [
+                    f"ZeRO-{stage}",
+                    record["rank"],
+                    f"{record['parameters'] / 2**20:.1f}",
+                    f"{record['master'] / 2**20:.1f}",
+                    f"{record['optimizer'] / 2**20:.1f}",
+                    f"{held / 2**20:.1f}",
+                    f"{held / expected:.3f}",
+                    fmt(held / baseline if baseline else None, 3),
+                    fmt(expected / (12.0 * parameters), 3),
+                    f"{record['rss_after_step_mib'] - record['rss_before_mib']:.0f}",
+                ]
+            )
     lines = [
         f"### Memory per rank ({parameters / 1e6:.2f}M-parameter Llama, fp32, AdamW, {settings['ranks']} ranks)",
         "",
         machine_line(payload["machine"]),
         "",
-        markdown_table(["stage", "rank", "parameters (MiB)", "fp32 master (MiB)", "Adam state (MiB)", "total (MiB)",
-                        "measured / expected", "fraction of ZeRO-0", "expected fraction", "RSS growth, build + 1 step (MiB)"], rows),
+        markdown_table(
+            [
+                "stage",
+                "rank",
+                "parameters (MiB)",
+                "fp32 master (MiB)",
+                "Adam state (MiB)",
+                "total (MiB)",
+                "measured / expected",
+                "fraction of ZeRO-0",
+                "expected fraction",
+                "RSS growth, build + 1 step (MiB)",
+            ],
+            rows,
+        ),
         "",
         "Expected fractions of ZeRO-0's 12P bytes per rank: ZeRO-1/2 (4P + 12P/N) / 12P, ZeRO-3 16P/N / 12P. "
         "In fp32 DeepSpeed keeps a separate fp32 master partition even though the parameters are fp32 already, "

@@ -30,8 +30,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--micro-batch", type=int, required=True, help="samples per rank per step")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's own)")
-    parser.add_argument("--no-single-rank-allreduce", action="store_true",
-                        help="ZeRO-0 on one rank: skip DeepSpeed's gradient all-reduce (flatten, reduce over 1 rank, copy back)")
+    parser.add_argument(
+        "--no-single-rank-allreduce",
+        action="store_true",
+        help="ZeRO-0 on one rank: skip DeepSpeed's gradient all-reduce (flatten, reduce over 1 rank, copy back)",
+    )
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--out", required=True)
     parser.add_argument("--local_rank", type=int, default=None)
@@ -61,7 +64,10 @@ def deepspeed_config(stage: int, micro_batch: int, lr: float) -> dict:
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": stage, "overlap_comm": False, "contiguous_gradients": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0, "torch_adam": True}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": lr, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.0, "torch_adam": True},
+        },
         "bf16": {"enabled": False},
         "fp16": {"enabled": False},
         "steps_per_print": 10**9,
@@ -89,16 +95,23 @@ def main(argv=None) -> int:
         if "RANK" not in os.environ:
             from benchmarks.common import free_port
 
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+            os.environ.update(
+                RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+            )
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
         rank, world = dist.get_rank(), dist.get_world_size()
         engine, _, _, _ = deepspeed.initialize(
-            model=model, model_parameters=parameter_groups(model), config=deepspeed_config(args.stage, args.micro_batch, args.lr),
-            lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), dist_init_required=False,
+            model=model,
+            model_parameters=parameter_groups(model),
+            config=deepspeed_config(args.stage, args.micro_batch, args.lr),
+            lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
+            dist_init_required=False,
         )
         engine.train()
         if args.no_single_rank_allreduce and world == 1 and args.stage == 0:
-            engine.enable_backward_allreduce = False  # a no-op reduction over one rank, costing two copies of every gradient
+            engine.enable_backward_allreduce = (
+                False  # a no-op reduction over one rank, costing two copies of every gradient
+            )
 
         def backward(loss):
             engine.backward(loss)
@@ -139,16 +152,36 @@ def main(argv=None) -> int:
         loss_value = float(loss.detach())
         t4 = time.perf_counter()
         tokens = input_ids.numel() * world
-        records.append({"step": index + 1, "seconds": t4 - t0, "forward_s": t1 - t0, "backward_s": t2 - t1, "optimizer_step_s": t3 - t2,
-                        "tokens": tokens, "tokens_per_s": tokens / (t4 - t0), "loss": loss_value})
+        records.append(
+            {
+                "step": index + 1,
+                "seconds": t4 - t0,
+                "forward_s": t1 - t0,
+                "backward_s": t2 - t1,
+                "optimizer_step_s": t3 - t2,
+                "tokens": tokens,
+                "tokens_per_s": tokens / (t4 - t0),
+                "loss": loss_value,
+            }
+        )
         if rank == 0:
             print(f"BENCH step {index + 1}", flush=True)
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if rank == 0:
         with open(args.out, "w") as handle:
-            json.dump({"mode": args.mode, "stage": args.stage if args.mode == "deepspeed" else None, "world_size": world,
-                       "threads": torch.get_num_threads(), "setup_s": setup_s, "peak_rss_mib_self": peak_rss_mib,
-                       "parameters": sum(p.numel() for p in model.parameters()), "steps": records}, handle)
+            json.dump(
+                {
+                    "mode": args.mode,
+                    "stage": args.stage if args.mode == "deepspeed" else None,
+                    "world_size": world,
+                    "threads": torch.get_num_threads(),
+                    "setup_s": setup_s,
+                    "peak_rss_mib_self": peak_rss_mib,
+                    "parameters": sum(p.numel() for p in model.parameters()),
+                    "steps": records,
+                },
+                handle,
+            )
     if args.mode == "deepspeed":
         import torch.distributed as dist
 

@@ -25,10 +25,15 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from conftest import child_env, deepspeed_launcher, free_port  # noqa: E402
 
+
 # name: (model.init, ZeRO stage, ranks)
 def llama(hidden: int, intermediate: int, layers: int, heads: int) -> dict:
-    return {"hidden_size": hidden, "intermediate_size": intermediate, "num_hidden_layers": layers,
-            "num_attention_heads": heads}
+    return {
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+    }
 
 
 SIZES = {
@@ -62,8 +67,15 @@ def peak_kib(command: list[str], env: dict) -> int:
 def write_job(folder: Path, init: dict, stage: int) -> Path:
     job = {
         "output_dir": str(folder / "run"),
-        "model": {"init": {"model_type": "llama", "num_key_value_heads": init["num_attention_heads"],
-                           "max_position_embeddings": 64, "tie_word_embeddings": True, **init}},
+        "model": {
+            "init": {
+                "model_type": "llama",
+                "num_key_value_heads": init["num_attention_heads"],
+                "max_position_embeddings": 64,
+                "tie_word_embeddings": True,
+                **init,
+            }
+        },
         "tokenizer": {"build": {"kind": "char"}},
         "data": {"path": str(REPO / "data/arithmetic/sft.jsonl"), "max_seq_len": 64},
         "train": {"train_type": "sft", "max_steps": 3, "micro_batch_size": 4, "lr": 1e-3, "seed": 1},
@@ -88,8 +100,13 @@ def main() -> None:
     parser.add_argument("--sizes", default=",".join(SIZES))
     args = parser.parse_args()
     env = child_env()
-    one_rank = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(free_port())}
+    one_rank = {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
     baseline = peak_kib([sys.executable, "-c", BASELINE], {**env, **one_rank})
     print(f"imports + one-rank gloo group: {baseline / 1024:.0f} MiB peak RSS")
     for name in args.sizes.split(","):
@@ -105,13 +122,17 @@ def main() -> None:
             from astrai.plan import RUNTIME_BASELINE_BYTES
 
             components = plan["host_total"] - RUNTIME_BASELINE_BYTES
-            print(f"runtime baseline: measured {measured / 2**20:.0f} MiB - planned components "
-                  f"{components / 2**20:.1f} MiB = {(measured - components) / 2**20:.0f} MiB "
-                  f"(RUNTIME_BASELINE_BYTES: {RUNTIME_BASELINE_BYTES / 2**20:.0f} MiB)")
+            print(
+                f"runtime baseline: measured {measured / 2**20:.0f} MiB - planned components "
+                f"{components / 2**20:.1f} MiB = {(measured - components) / 2**20:.0f} MiB "
+                f"(RUNTIME_BASELINE_BYTES: {RUNTIME_BASELINE_BYTES / 2**20:.0f} MiB)"
+            )
             continue
-        print(f"{name}: {plan['policy_parameters'] / 1e6:.1f}M parameters, ZeRO-{plan['zero_stage']}, {ranks} rank(s): "
-              f"planned {plan['host_total'] / 2**20:.0f} MiB, measured peak RSS {measured / 2**20:.0f} MiB, "
-              f"plan/measured {ratio:.2f}")
+        print(
+            f"{name}: {plan['policy_parameters'] / 1e6:.1f}M parameters, ZeRO-{plan['zero_stage']}, {ranks} rank(s): "
+            f"planned {plan['host_total'] / 2**20:.0f} MiB, measured peak RSS {measured / 2**20:.0f} MiB, "
+            f"plan/measured {ratio:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -36,8 +36,21 @@ from types import SimpleNamespace
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    add_launch_arguments, child_env, command_line, deepspeed_command, fmt_summary, fresh_workspace, launch, machine_line, markdown_table,
-    model_init, parameter_count, prepare_sft_data, require_success, summarize, write_results,
+    add_launch_arguments,
+    child_env,
+    command_line,
+    deepspeed_command,
+    fmt_summary,
+    fresh_workspace,
+    launch,
+    machine_line,
+    markdown_table,
+    model_init,
+    parameter_count,
+    prepare_sft_data,
+    require_success,
+    summarize,
+    write_results,
 )
 
 
@@ -85,8 +98,18 @@ def worker(plan: dict) -> int:
     settings = SimpleNamespace(group_size=1, max_new_tokens=plan["new_tokens"], temperature=1.0, top_p=1.0, top_k=0)
     init = model_init(plan["size"], plan["prompt_len"] + plan["new_tokens"])
     stage = plan["stage"]
-    config = build_ds_config(DeepSpeedSection(zero_stage=stage), template_path=None, micro_batch_size=plan["prompts"], grad_accum_steps=1,
-                             max_grad_norm=1.0, precision="fp32", lr=1e-3, betas=(0.9, 0.95), eps=1e-8, world_size=world)
+    config = build_ds_config(
+        DeepSpeedSection(zero_stage=stage),
+        template_path=None,
+        micro_batch_size=plan["prompts"],
+        grad_accum_steps=1,
+        max_grad_norm=1.0,
+        precision="fp32",
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        world_size=world,
+    )
     engine = make_engine(build_model(init, 0), config, weight_decay=0.0, schedule=lambda _: 1.0)
     plain_model = build_model(init, 0).eval() if stage != 3 else None
     ids, mask = left_pad(prompt_ids, tokenizer.pad_token_id)
@@ -104,12 +127,22 @@ def worker(plan: dict) -> int:
         generation = sampling_config(settings, tokenizer)
         generation.use_cache = use_cache
         torch.manual_seed(1234 + rank)
-        return model.generate(input_ids=ids, attention_mask=mask, generation_config=generation, synced_gpus=synced)[:, ids.shape[1]:]
+        return model.generate(input_ids=ids, attention_mask=mask, generation_config=generation, synced_gpus=synced)[
+            :, ids.shape[1] :
+        ]
 
     def astrai_rollout(source: str = "auto"):
-        result = generate_rollout(engine, tokenizer, prompt_ids, [[] for _ in prompt_ids], [{} for _ in prompt_ids],
-                                  SimpleNamespace(**vars(settings), behaviour_logprobs=source),
-                                  seed=1234 + rank, policy_version=0, logprob_batch_size=plan["prompts"])
+        result = generate_rollout(
+            engine,
+            tokenizer,
+            prompt_ids,
+            [[] for _ in prompt_ids],
+            [{} for _ in prompt_ids],
+            SimpleNamespace(**vars(settings), behaviour_logprobs=source),
+            seed=1234 + rank,
+            policy_version=0,
+            logprob_batch_size=plan["prompts"],
+        )
         assert result.behaviour_logprobs is not None
         return result.response_ids
 
@@ -146,7 +179,7 @@ def worker(plan: dict) -> int:
             methods[name]()
     records = []
     for repeat in range(plan["repeats"]):
-        for name in names[repeat % len(names):] + names[: repeat % len(names)]:
+        for name in names[repeat % len(names) :] + names[: repeat % len(names)]:
             if world > 1:
                 dist.barrier()
             started = time.perf_counter()
@@ -157,7 +190,15 @@ def worker(plan: dict) -> int:
                 dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
                 seconds = float(tensor.item())
             generated = count(responses)
-            records.append({"method": name, "repeat": repeat, "seconds": seconds, "tokens": generated, "tokens_per_s": generated / seconds})
+            records.append(
+                {
+                    "method": name,
+                    "repeat": repeat,
+                    "seconds": seconds,
+                    "tokens": generated,
+                    "tokens_per_s": generated / seconds,
+                }
+            )
     if rank == 0:
         Path(plan["out"]).write_text(json.dumps({"world_size": world, "stage": stage, "records": records}))
     dist.destroy_process_group()
@@ -165,18 +206,54 @@ def worker(plan: dict) -> int:
 
 
 RATIOS = [
-    ("astrai_rollout", "generate", "AstrAI rollout (sampling + behaviour log-probs; the default, auto: sampler in fp32) vs generate with KV cache (target >= 1.0)"),
-    ("astrai_rollout_recompute", "generate", "AstrAI rollout with rollout.behaviour_logprobs: recompute vs generate with KV cache"),
-    ("astrai_rollout", "astrai_rollout_recompute", "behaviour log-probs kept from the sampler vs recomputed by a forward"),
-    ("astrai_rollout", "astrai_sampling", "AstrAI rollout (default) vs its sampling alone: the cost of keeping the log-probs"),
+    (
+        "astrai_rollout",
+        "generate",
+        "AstrAI rollout (sampling + behaviour log-probs; the default, auto: sampler in fp32) vs generate with KV cache (target >= 1.0)",
+    ),
+    (
+        "astrai_rollout_recompute",
+        "generate",
+        "AstrAI rollout with rollout.behaviour_logprobs: recompute vs generate with KV cache",
+    ),
+    (
+        "astrai_rollout",
+        "astrai_rollout_recompute",
+        "behaviour log-probs kept from the sampler vs recomputed by a forward",
+    ),
+    (
+        "astrai_rollout",
+        "astrai_sampling",
+        "AstrAI rollout (default) vs its sampling alone: the cost of keeping the log-probs",
+    ),
     ("astrai_sampling", "generate", "AstrAI sampling alone vs generate with KV cache"),
     ("generate_nocache", "generate", "generate without KV cache vs with"),
-    ("zero3_gather_once", "zero3_gather_per_forward", "ZeRO-3, 2 ranks: sampling with one gather per rollout vs per-module gathers at every forward"),
-    ("zero3_plain_copy", "zero3_gather_per_forward", "ZeRO-3, 2 ranks: gather once into a plain copy (no hooks) vs per-module gathers"),
+    (
+        "zero3_gather_once",
+        "zero3_gather_per_forward",
+        "ZeRO-3, 2 ranks: sampling with one gather per rollout vs per-module gathers at every forward",
+    ),
+    (
+        "zero3_plain_copy",
+        "zero3_gather_per_forward",
+        "ZeRO-3, 2 ranks: gather once into a plain copy (no hooks) vs per-module gathers",
+    ),
     ("zero3_plain_copy", "zero3_gather_once", "ZeRO-3, 2 ranks: plain copy vs AstrAI's gather-once sampling"),
-    ("zero3_astrai_copy", "zero3_gather_per_forward", "ZeRO-3, 2 ranks: AstrAI's default sampling (plain copy, filled per parameter) vs per-module gathers (target >= 1.0)"),
-    ("zero3_astrai_copy", "zero3_plain_copy", "ZeRO-3, 2 ranks: AstrAI's plain copy vs the benchmark's own (state_dict under one gather)"),
-    ("zero3_astrai_rollout", "zero3_gather_per_forward", "ZeRO-3, 2 ranks: whole AstrAI rollout vs generate with per-module gathers"),
+    (
+        "zero3_astrai_copy",
+        "zero3_gather_per_forward",
+        "ZeRO-3, 2 ranks: AstrAI's default sampling (plain copy, filled per parameter) vs per-module gathers (target >= 1.0)",
+    ),
+    (
+        "zero3_astrai_copy",
+        "zero3_plain_copy",
+        "ZeRO-3, 2 ranks: AstrAI's plain copy vs the benchmark's own (state_dict under one gather)",
+    ),
+    (
+        "zero3_astrai_rollout",
+        "zero3_gather_per_forward",
+        "ZeRO-3, 2 ranks: whole AstrAI rollout vs generate with per-module gathers",
+    ),
 ]
 
 
@@ -195,11 +272,24 @@ def main(argv=None) -> int:
     records = []
     launches = [(1, 0)] + ([] if args.skip_zero3 else [(2, 3)])
     for ranks, stage in launches:
-        plan = {"size": args.size, "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
-                "stage": stage, "tokenizer": str(data["tokenizer"]), "tokens": str(data["tokens"]), "out": str(work / f"z{stage}.json")}
+        plan = {
+            "size": args.size,
+            "prompts": args.prompts,
+            "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens,
+            "repeats": args.repeats,
+            "stage": stage,
+            "tokenizer": str(data["tokenizer"]),
+            "tokens": str(data["tokens"]),
+            "out": str(work / f"z{stage}.json"),
+        }
         (work / f"plan_z{stage}.json").write_text(json.dumps(plan))
-        result = launch(deepspeed_command(ranks, Path(__file__).resolve(), "--worker", str(work / f"plan_z{stage}.json")),
-                        env=child_env(), timeout=1800, log=work / f"z{stage}.log")
+        result = launch(
+            deepspeed_command(ranks, Path(__file__).resolve(), "--worker", str(work / f"plan_z{stage}.json")),
+            env=child_env(),
+            timeout=1800,
+            log=work / f"z{stage}.log",
+        )
         require_success(result, f"the rollout launch ({ranks} ranks, ZeRO-{stage})")
         records += json.loads(Path(plan["out"]).read_text())["records"]
     by = {(r["method"], r["repeat"]): r for r in records}
@@ -207,22 +297,40 @@ def main(argv=None) -> int:
     summary = {m: summarize([r["tokens_per_s"] for r in records if r["method"] == m]) for m in methods}
     ratios = []
     for method, baseline, label in RATIOS:
-        values = [by[(method, k)]["tokens_per_s"] / by[(baseline, k)]["tokens_per_s"] for k in range(args.repeats)
-                  if (method, k) in by and (baseline, k) in by]
+        values = [
+            by[(method, k)]["tokens_per_s"] / by[(baseline, k)]["tokens_per_s"]
+            for k in range(args.repeats)
+            if (method, k) in by and (baseline, k) in by
+        ]
         if values:
             ratios.append({"method": method, "baseline": baseline, "label": label, **summarize(values)})
     init = model_init(args.size, args.prompt_len + args.new_tokens)
-    payload = {"benchmark": "rollout_speed", "command": command_line(), "machine": info, "settings": vars(args), "model": init,
-               "parameters": parameter_count(init), "summary": summary, "ratios": ratios, "runs": records, "total_s": time.perf_counter() - started}
+    payload = {
+        "benchmark": "rollout_speed",
+        "command": command_line(),
+        "machine": info,
+        "settings": vars(args),
+        "model": init,
+        "parameters": parameter_count(init),
+        "summary": summary,
+        "ratios": ratios,
+        "runs": records,
+        "total_s": time.perf_counter() - started,
+    }
     lines = [
         f"### Rollout speed ({payload['parameters'] / 1e6:.1f}M-parameter Llama, {args.prompts} prompts per rank x {args.new_tokens} new tokens, "
         f"prompt {args.prompt_len} tokens, fp32, {args.repeats} rounds)",
         "",
         machine_line(info),
         "",
-        markdown_table(["comparison", "ratio of generated tokens/s", "rounds"], [[r["label"], fmt_summary(r), r["n"]] for r in ratios]),
+        markdown_table(
+            ["comparison", "ratio of generated tokens/s", "rounds"],
+            [[r["label"], fmt_summary(r), r["n"]] for r in ratios],
+        ),
         "",
-        markdown_table(["method", "generated tokens/s (all ranks)"], [[m, fmt_summary(s, 0)] for m, s in summary.items()]),
+        markdown_table(
+            ["method", "generated tokens/s (all ranks)"], [[m, fmt_summary(s, 0)] for m, s in summary.items()]
+        ),
         "",
         f"Command: `{payload['command']}` ({payload['total_s'] / 60:.1f} min).",
     ]

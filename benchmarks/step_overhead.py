@@ -31,8 +31,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import (  # noqa: E402
-    add_launch_arguments, child_env, command_line, deepspeed_command, fmt, fmt_summary, fresh_workspace, launch, machine_line, markdown_table,
-    model_init, parameter_count, prepare_sft_data, require_success, summarize, write_results,
+    add_launch_arguments,
+    child_env,
+    command_line,
+    deepspeed_command,
+    fmt,
+    fmt_summary,
+    fresh_workspace,
+    launch,
+    machine_line,
+    markdown_table,
+    model_init,
+    parameter_count,
+    prepare_sft_data,
+    require_success,
+    summarize,
+    write_results,
 )
 
 
@@ -54,10 +68,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def worker(plan: dict) -> int:
+    import deepspeed
     import torch
     import torch.distributed as dist
 
-    import deepspeed
     from astrai.build import build_run
     from astrai.config import load_job
     from astrai.engine import setup_distributed, tune_malloc
@@ -74,8 +88,14 @@ def worker(plan: dict) -> int:
     run = build_run(job, info, plan["job"])
     policy = run.engines["policy"]
     policy.train()
-    metrics = MetricsLog(run.output_dir, is_main=info.is_main, total_steps=10**9, start_step=0,
-                         tensorboard=job.runtime.tensorboard, progress_bar=False)
+    metrics = MetricsLog(
+        run.output_dir,
+        is_main=info.is_main,
+        total_steps=10**9,
+        start_step=0,
+        tensorboard=job.runtime.tensorboard,
+        progress_bar=False,
+    )
     batches = run.order.micro_batches(0)
     astrai_step = {"n": 0}
 
@@ -88,8 +108,16 @@ def worker(plan: dict) -> int:
         if log:
             astrai_step["n"] += 1
             tokens = totals.pop("tokens")
-            metrics.log(astrai_step["n"], {"loss": totals["loss"] / max(totals.pop("weight", 1.0), 1.0), "lr": policy.lr,
-                                           "grad_norm": policy.grad_norm, "tokens": int(tokens), "tokens_per_s": tokens / seconds})
+            metrics.log(
+                astrai_step["n"],
+                {
+                    "loss": totals["loss"] / max(totals.pop("weight", 1.0), 1.0),
+                    "lr": policy.lr,
+                    "grad_norm": policy.grad_norm,
+                    "tokens": int(tokens),
+                    "tokens_per_s": tokens / seconds,
+                },
+            )
             metrics.advance()
             seconds = time.perf_counter() - started
         return seconds
@@ -99,15 +127,19 @@ def worker(plan: dict) -> int:
     rows, micro, world, rank = data["input_ids"].shape[0], plan["micro_batch"], info.world_size, info.rank
     plain_model = build_model(init, 1)
     engine, _, _, _ = deepspeed.initialize(
-        model=plain_model, model_parameters=parameter_groups(plain_model),
+        model=plain_model,
+        model_parameters=parameter_groups(plain_model),
         config=deepspeed_config(policy.zero_stage, micro, 1e-3),
-        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0), dist_init_required=False,
+        lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
+        dist_init_required=False,
     )
     engine.train()
     if world == 1 and policy.zero_stage == 0:
         engine.enable_backward_allreduce = False  # as AstrAI does on one ZeRO-0 rank (a no-op reduction)
     torch_model = build_model(init, 2) if world == 1 else None
-    optimizer = torch.optim.AdamW(parameter_groups(torch_model), lr=1e-3, betas=(0.9, 0.95), eps=1e-8) if torch_model else None
+    optimizer = (
+        torch.optim.AdamW(parameter_groups(torch_model), lr=1e-3, betas=(0.9, 0.95), eps=1e-8) if torch_model else None
+    )
     plain_index = {"deepspeed": 0, "torch": 0}
 
     def plain_batch(kind: str):
@@ -146,18 +178,27 @@ def worker(plan: dict) -> int:
             variants[name]()
     blocks = []
     for round_index in range(plan["rounds"]):
-        order = names[round_index % len(names):] + names[: round_index % len(names)]
+        order = names[round_index % len(names) :] + names[: round_index % len(names)]
         for name in order:
             if dist.is_initialized():
                 dist.barrier()  # every rank starts the block together
             seconds = [variants[name]() for _ in range(plan["block"])]
-            blocks.append({"round": round_index, "variant": name, "step_s": seconds, "median_s": statistics.median(seconds)})
+            blocks.append(
+                {"round": round_index, "variant": name, "step_s": seconds, "median_s": statistics.median(seconds)}
+            )
     metrics.close()
     if info.is_main:
-        Path(plan["out"]).write_text(json.dumps({
-            "blocks": blocks, "world_size": world, "zero_stage": policy.zero_stage, "threads": torch.get_num_threads(),
-            "tokens_per_step": micro * plan["seq_len"] * world,
-        }))
+        Path(plan["out"]).write_text(
+            json.dumps(
+                {
+                    "blocks": blocks,
+                    "world_size": world,
+                    "zero_stage": policy.zero_stage,
+                    "threads": torch.get_num_threads(),
+                    "tokens_per_step": micro * plan["seq_len"] * world,
+                }
+            )
+        )
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
@@ -184,14 +225,29 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     init = model_init(args.size, args.seq_len)
     steps = args.warmup * 2 + args.rounds * args.block * 2  # AstrAI's two variants both draw from its data order
-    data = prepare_sft_data(work / "data", max(64, steps * args.micro_batch * args.ranks + args.micro_batch), args.seq_len)
+    data = prepare_sft_data(
+        work / "data", max(64, steps * args.micro_batch * args.ranks + args.micro_batch), args.seq_len
+    )
     job_args = argparse.Namespace(seq_len=args.seq_len, steps=steps, micro_batch=args.micro_batch)
     job = astrai_job(work, data, job_args, init, "astrai")
-    plan = {"job": str(job), "tokens": str(data["tokens"]), "init": init, "out": str(work / "worker.json"), "seq_len": args.seq_len,
-            "micro_batch": args.micro_batch, "rounds": args.rounds, "block": args.block, "warmup": args.warmup}
+    plan = {
+        "job": str(job),
+        "tokens": str(data["tokens"]),
+        "init": init,
+        "out": str(work / "worker.json"),
+        "seq_len": args.seq_len,
+        "micro_batch": args.micro_batch,
+        "rounds": args.rounds,
+        "block": args.block,
+        "warmup": args.warmup,
+    }
     (work / "plan.json").write_text(json.dumps(plan))
-    result = launch(deepspeed_command(args.ranks, Path(__file__).resolve(), "--worker", str(work / "plan.json")),
-                    env=child_env(), timeout=3600, log=work / "launch.log")
+    result = launch(
+        deepspeed_command(args.ranks, Path(__file__).resolve(), "--worker", str(work / "plan.json")),
+        env=child_env(),
+        timeout=3600,
+        log=work / "launch.log",
+    )
     require_success(result, "the step-overhead worker launch")
     measured = json.loads((work / "worker.json").read_text())
     blocks = measured["blocks"]
@@ -204,10 +260,21 @@ def main(argv=None) -> int:
         if variant in variants and baseline in variants:
             values = [by[(baseline, r)] / by[(variant, r)] for r in range(args.rounds)]
             ratios.append({"variant": variant, "baseline": baseline, "what": what, **summarize(values)})
-    payload = {"benchmark": "step_overhead", "command": command_line(), "machine": info, "settings": vars(args), "model": init,
-               "parameters": parameter_count(init), "world_size": measured["world_size"], "zero_stage": measured["zero_stage"],
-               "threads_per_rank": measured["threads"], "tokens_per_s": summary, "ratios": ratios, "blocks": blocks,
-               "total_s": time.perf_counter() - started}
+    payload = {
+        "benchmark": "step_overhead",
+        "command": command_line(),
+        "machine": info,
+        "settings": vars(args),
+        "model": init,
+        "parameters": parameter_count(init),
+        "world_size": measured["world_size"],
+        "zero_stage": measured["zero_stage"],
+        "threads_per_rank": measured["threads"],
+        "tokens_per_s": summary,
+        "ratios": ratios,
+        "blocks": blocks,
+        "total_s": time.perf_counter() - started,
+    }
     write_results(args.name, payload, render_markdown(payload), results_dir)
     return 0
 
@@ -224,10 +291,19 @@ def render_markdown(payload: dict) -> str:
         "Ratios of tokens/s, per round against the baseline's block of the same round: median [min–max].",
         "",
     ]
-    lines.append(markdown_table(["comparison", "ratio", "spread"],
-                                [[r["what"], fmt_summary(r), fmt(r["spread"])] for r in payload["ratios"]]))
-    lines += ["", markdown_table(["variant", "tokens/s (all ranks)"],
-                                 [[name, fmt_summary(s, 0)] for name, s in payload["tokens_per_s"].items()])]
+    lines.append(
+        markdown_table(
+            ["comparison", "ratio", "spread"],
+            [[r["what"], fmt_summary(r), fmt(r["spread"])] for r in payload["ratios"]],
+        )
+    )
+    lines += [
+        "",
+        markdown_table(
+            ["variant", "tokens/s (all ranks)"],
+            [[name, fmt_summary(s, 0)] for name, s in payload["tokens_per_s"].items()],
+        ),
+    ]
     lines += ["", f"Command: `{payload['command']}` ({payload['total_s'] / 60:.1f} min)."]
     return "\n".join(lines)
 

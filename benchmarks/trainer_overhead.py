@@ -42,14 +42,44 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from astrai.engine.host_memory import MALLOC_ENVIRONMENT  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    REPO, RESULTS, busy_fraction, child_env, command_line, deepspeed_command, fmt, fmt_summary, launch, machine, machine_line,
-    markdown_table, matmul_peak_gflops, mfu, model_init, parameter_count, prepare_sft_data, summarize, write_results,
+    REPO,
+    RESULTS,
+    busy_fraction,
+    child_env,
+    command_line,
+    deepspeed_command,
+    fmt,
+    fmt_summary,
+    launch,
+    machine,
+    machine_line,
+    markdown_table,
+    matmul_peak_gflops,
+    mfu,
+    model_init,
+    parameter_count,
+    prepare_sft_data,
+    summarize,
+    write_results,
 )
 
 ALL_VARIANTS = [
-    "torch_w1", "ds_z0_w1", "ds_z0_noreduce_w1", "ds_z2_w1", "astrai_w1", "astrai_z2kept_w1",
-    "torch_w2", "ds_z2_w2", "ds_z2_unpinned_w2", "astrai_w2", "astrai_unpinned_w2",
-    "astrai_untuned_w1", "ds_z0_noreduce_tuned_w1", "torch_tuned_w1", "astrai_untuned_w2", "ds_z2_tuned_w2",
+    "torch_w1",
+    "ds_z0_w1",
+    "ds_z0_noreduce_w1",
+    "ds_z2_w1",
+    "astrai_w1",
+    "astrai_z2kept_w1",
+    "torch_w2",
+    "ds_z2_w2",
+    "ds_z2_unpinned_w2",
+    "astrai_w2",
+    "astrai_unpinned_w2",
+    "astrai_untuned_w1",
+    "ds_z0_noreduce_tuned_w1",
+    "torch_tuned_w1",
+    "astrai_untuned_w2",
+    "ds_z2_tuned_w2",
 ]
 TRL_VENV = REPO / "benchmarks" / ".venv-trl"
 
@@ -72,7 +102,11 @@ RATIOS = [
     ("astrai_w1", "trl_w1", "AstrAI 1 rank vs TRL SFTTrainer (target >= 1.25)"),
     ("astrai_w1", "astrai_untuned_w1", "host malloc tuned vs glibc's defaults, AstrAI 1 rank"),
     ("astrai_w2", "astrai_untuned_w2", "host malloc tuned vs glibc's defaults, AstrAI 2 ranks"),
-    ("astrai_untuned_w1", "ds_z0_noreduce_w1", "AstrAI untuned, 1 rank, vs the plain ZeRO-0 loop (no 1-rank all-reduce)"),
+    (
+        "astrai_untuned_w1",
+        "ds_z0_noreduce_w1",
+        "AstrAI untuned, 1 rank, vs the plain ZeRO-0 loop (no 1-rank all-reduce)",
+    ),
     ("astrai_untuned_w2", "ds_z2_w2", "AstrAI untuned, 2 ranks, vs the plain ZeRO-2 loop"),
     ("ds_z0_noreduce_tuned_w1", "ds_z0_noreduce_w1", "the same malloc thresholds in the plain ZeRO-0 loop, 1 rank"),
     ("ds_z2_tuned_w2", "ds_z2_w2", "the same malloc thresholds in the plain ZeRO-2 loop, 2 ranks"),
@@ -91,7 +125,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the throughput")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--variants", default=",".join(ALL_VARIANTS), help="comma-separated subset")
-    parser.add_argument("--trl", action="store_true", help=f"add TRL SFTTrainer (installs torch==2.13.0 trl into {TRL_VENV.relative_to(REPO)})")
+    parser.add_argument(
+        "--trl",
+        action="store_true",
+        help=f"add TRL SFTTrainer (installs torch==2.13.0 trl into {TRL_VENV.relative_to(REPO)})",
+    )
     parser.add_argument("--peak-seconds", type=float, default=1.5, help="time spent on each matmul-peak measurement")
     parser.add_argument("--results-dir", default=str(RESULTS))
     parser.add_argument("--name", default="trainer_overhead")
@@ -107,8 +145,18 @@ def astrai_job(work: Path, data: dict[str, Path], args, init: dict, name: str) -
         "model": {"init": init},
         "tokenizer": {"path": str(data["tokenizer"])},
         "data": {"path": str(data["data"]), "max_seq_len": args.seq_len, "shuffle": False},
-        "train": {"train_type": "sft", "max_steps": args.steps, "micro_batch_size": args.micro_batch, "grad_accum_steps": 1,
-                  "lr": 1e-3, "lr_schedule": "constant", "warmup_steps": 0, "weight_decay": 0.0, "max_grad_norm": 1.0, "seed": 42},
+        "train": {
+            "train_type": "sft",
+            "max_steps": args.steps,
+            "micro_batch_size": args.micro_batch,
+            "grad_accum_steps": 1,
+            "lr": 1e-3,
+            "lr_schedule": "constant",
+            "warmup_steps": 0,
+            "weight_decay": 0.0,
+            "max_grad_norm": 1.0,
+            "seed": 42,
+        },
         "deepspeed": {"config": str(REPO / "ds_configs" / "zero2.json")},
         "checkpoint": {"resume": "never", "keep_last": 1},
         "runtime": {"progress_bar": True},
@@ -131,8 +179,19 @@ def run_variant(variant: str, round_index: int, work: Path, data: dict[str, Path
     out = work / "out" / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     plain = [sys.executable, str(REPO / "benchmarks" / "plain_loop.py")]
-    common = ["--model", json.dumps(init), "--tokens", str(data["tokens"]), "--steps", str(args.steps), "--out", str(out)]
-    env = child_env(**MALLOC_ENVIRONMENT) if "_tuned" in variant else child_env()  # AstrAI's thresholds, from the environment
+    common = [
+        "--model",
+        json.dumps(init),
+        "--tokens",
+        str(data["tokens"]),
+        "--steps",
+        str(args.steps),
+        "--out",
+        str(out),
+    ]
+    env = (
+        child_env(**MALLOC_ENVIRONMENT) if "_tuned" in variant else child_env()
+    )  # AstrAI's thresholds, from the environment
     kind = "plain"
     if variant.startswith("torch_"):
         command = plain + ["--mode", "torch", "--micro-batch", str(args.micro_batch * world)] + common
@@ -141,8 +200,18 @@ def run_variant(variant: str, round_index: int, work: Path, data: dict[str, Path
         threads = ["--threads", "1"] if world > 1 and "unpinned" not in variant else []
         if "noreduce" in variant:
             threads.append("--no-single-rank-allreduce")
-        command = deepspeed_command(world, REPO / "benchmarks" / "plain_loop.py", "--mode", "deepspeed", "--stage", str(stage),
-                                    "--micro-batch", str(args.micro_batch), *threads, *common)
+        command = deepspeed_command(
+            world,
+            REPO / "benchmarks" / "plain_loop.py",
+            "--mode",
+            "deepspeed",
+            "--stage",
+            str(stage),
+            "--micro-batch",
+            str(args.micro_batch),
+            *threads,
+            *common,
+        )
     elif variant.startswith("astrai"):
         kind = "astrai"
         job = astrai_job(work, data, args, init, name)
@@ -154,13 +223,25 @@ def run_variant(variant: str, round_index: int, work: Path, data: dict[str, Path
         command = deepspeed_command(world, REPO / "astrai" / "train.py", "--config", str(job), *sets)
     elif variant.startswith("trl_"):
         kind = "trl"
-        command = [str(TRL_VENV / "bin" / "python"), str(REPO / "benchmarks" / "trl_sft.py"), "--micro-batch", str(args.micro_batch)] + common
+        command = [
+            str(TRL_VENV / "bin" / "python"),
+            str(REPO / "benchmarks" / "trl_sft.py"),
+            "--micro-batch",
+            str(args.micro_batch),
+        ] + common
     else:
         raise ValueError(f"unknown variant {variant}")
     busy_before = busy_fraction()
     result = launch(command, env=env, log=work / "logs" / f"{name}.log")
-    record = {"variant": variant, "round": round_index, "world_size": world, "returncode": result.returncode, "wall_s": result.wall_s,
-              "peak_rss_mib": result.peak_rss_mib, "cpu_busy_before": busy_before}
+    record = {
+        "variant": variant,
+        "round": round_index,
+        "world_size": world,
+        "returncode": result.returncode,
+        "wall_s": result.wall_s,
+        "peak_rss_mib": result.peak_rss_mib,
+        "cpu_busy_before": busy_before,
+    }
     if result.returncode != 0:
         record["error"] = "\n".join(text for _, text in result.lines[-15:])
         print(f"  {name}: FAILED (exit {result.returncode}); see {work / 'logs' / (name + '.log')}")
@@ -183,25 +264,42 @@ def run_variant(variant: str, round_index: int, work: Path, data: dict[str, Path
                     pass
         threads_line = next((text for _, text in result.lines if "intra-op threads per rank" in text), None)
         stage_line = next((text for _, text in result.lines if "ZeRO-" in text and "parameters" in text), None)
-        record.update(first_step_s=first, last_step_s=last, publish_s=publish_s, published_at_s=published,
-                      threads_log=threads_line, build_log=stage_line)
+        record.update(
+            first_step_s=first,
+            last_step_s=last,
+            publish_s=publish_s,
+            published_at_s=published,
+            threads_log=threads_line,
+            build_log=stage_line,
+        )
     else:
         report = json.loads(out.read_text())
         per_step = [s["tokens_per_s"] for s in report["steps"]]
         first = result.first(r"BENCH step 1$")
         last = result.first(r"BENCH step %d$" % args.steps)
-        record.update(first_step_s=first, last_step_s=last, threads=report.get("threads"), setup_s=report.get("setup_s"))
+        record.update(
+            first_step_s=first, last_step_s=last, threads=report.get("threads"), setup_s=report.get("setup_s")
+        )
         if kind == "plain":
-            steady_steps = report["steps"][args.warmup:]
-            record.update(optimizer_step_s=summarize([s["optimizer_step_s"] for s in steady_steps])["median"],
-                          forward_backward_s=summarize([s["forward_s"] + s["backward_s"] for s in steady_steps])["median"])
+            steady_steps = report["steps"][args.warmup :]
+            record.update(
+                optimizer_step_s=summarize([s["optimizer_step_s"] for s in steady_steps])["median"],
+                forward_backward_s=summarize([s["forward_s"] + s["backward_s"] for s in steady_steps])["median"],
+            )
         else:
             record["trl_version"] = report.get("trl")
-    steady = per_step[args.warmup:]
-    record.update(tokens_per_s=summarize(steady)["median"], tokens_per_s_steps=per_step,
-                  exit_after_last_step_s=(result.wall_s - record["last_step_s"]) if record.get("last_step_s") is not None else None)
-    print(f"  {name}: {fmt(record['tokens_per_s'], 0)} tokens/s, first step at {fmt(record.get('first_step_s'), 1)} s, "
-          f"exit {fmt(result.wall_s, 1)} s, peak RSS {', '.join(f'{v:.0f}' for v in result.peak_rss_mib.values())} MiB")
+    steady = per_step[args.warmup :]
+    record.update(
+        tokens_per_s=summarize(steady)["median"],
+        tokens_per_s_steps=per_step,
+        exit_after_last_step_s=(result.wall_s - record["last_step_s"])
+        if record.get("last_step_s") is not None
+        else None,
+    )
+    print(
+        f"  {name}: {fmt(record['tokens_per_s'], 0)} tokens/s, first step at {fmt(record.get('first_step_s'), 1)} s, "
+        f"exit {fmt(result.wall_s, 1)} s, peak RSS {', '.join(f'{v:.0f}' for v in result.peak_rss_mib.values())} MiB"
+    )
     return record
 
 
@@ -213,8 +311,12 @@ def ensure_trl_venv() -> str | None:
     print(f"installing TRL into {TRL_VENV} (torch==2.13.0 trl) ...")
     try:
         subprocess.run([sys.executable, "-m", "venv", str(TRL_VENV)], check=True, capture_output=True)
-        completed = subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0", "trl", "psutil"],
-                                   capture_output=True, text=True, timeout=1800)
+        completed = subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", "torch==2.13.0", "trl", "psutil"],
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
     except (subprocess.SubprocessError, OSError) as error:
         return f"could not create the TRL venv: {error}"
     if completed.returncode != 0:
@@ -227,8 +329,11 @@ def ratio_rows(records: list[dict], rounds: int) -> list[dict]:
     by_key = {(r["variant"], r["round"]): r for r in records if r.get("tokens_per_s")}
     rows = []
     for variant, baseline, label in RATIOS:
-        values = [by_key[(variant, k)]["tokens_per_s"] / by_key[(baseline, k)]["tokens_per_s"]
-                  for k in range(rounds) if (variant, k) in by_key and (baseline, k) in by_key]
+        values = [
+            by_key[(variant, k)]["tokens_per_s"] / by_key[(baseline, k)]["tokens_per_s"]
+            for k in range(rounds)
+            if (variant, k) in by_key and (baseline, k) in by_key
+        ]
         if values:
             rows.append({"variant": variant, "baseline": baseline, "label": label, **summarize(values)})
     return rows
@@ -252,17 +357,23 @@ def main(argv=None) -> int:
     rows_needed = max(64, args.steps * args.micro_batch * 2 + args.micro_batch)
     data = prepare_sft_data(work / "data", rows_needed, args.seq_len)
     info = machine()
-    peak_before = {"1": matmul_peak_gflops(1, seconds=args.peak_seconds), "all": matmul_peak_gflops(info["cores"], seconds=args.peak_seconds)}
+    peak_before = {
+        "1": matmul_peak_gflops(1, seconds=args.peak_seconds),
+        "all": matmul_peak_gflops(info["cores"], seconds=args.peak_seconds),
+    }
     print(machine_line(info))
     records = []
     started = time.perf_counter()
     for round_index in range(args.repeats):
         # Rotate the order each round so no variant always runs first (cold caches) or last.
-        order = variants[round_index % len(variants):] + variants[: round_index % len(variants)]
+        order = variants[round_index % len(variants) :] + variants[: round_index % len(variants)]
         print(f"round {round_index + 1}/{args.repeats}")
         for variant in order:
             records.append(run_variant(variant, round_index, work, data, args, init))
-    peak_after = {"1": matmul_peak_gflops(1, seconds=args.peak_seconds), "all": matmul_peak_gflops(info["cores"], seconds=args.peak_seconds)}
+    peak_after = {
+        "1": matmul_peak_gflops(1, seconds=args.peak_seconds),
+        "all": matmul_peak_gflops(info["cores"], seconds=args.peak_seconds),
+    }
     peak = {key: max(peak_before[key], peak_after[key]) for key in peak_before}
     parameters = parameter_count(init)
     summary = {}
@@ -282,9 +393,20 @@ def main(argv=None) -> int:
         median = summary[variant]["tokens_per_s"]["median"]
         summary[variant]["mfu"] = mfu(parameters, median, peak["all"]) if median else None
     ratios = ratio_rows(records, args.repeats)
-    payload = {"benchmark": "trainer_overhead", "command": command_line(), "machine": info, "settings": vars(args) | {"variants": variants},
-               "model": init, "parameters": parameters, "matmul_peak_gflops": {"before": peak_before, "after": peak_after, "used": peak},
-               "summary": summary, "ratios": ratios, "runs": records, "trl_note": trl_note, "total_s": time.perf_counter() - started}
+    payload = {
+        "benchmark": "trainer_overhead",
+        "command": command_line(),
+        "machine": info,
+        "settings": vars(args) | {"variants": variants},
+        "model": init,
+        "parameters": parameters,
+        "matmul_peak_gflops": {"before": peak_before, "after": peak_after, "used": peak},
+        "summary": summary,
+        "ratios": ratios,
+        "runs": records,
+        "trl_note": trl_note,
+        "total_s": time.perf_counter() - started,
+    }
     write_results(args.name, payload, render_markdown(payload), results_dir)
     return 0 if all(r["returncode"] == 0 for r in records) else 1
 
@@ -301,8 +423,9 @@ def render_markdown(payload: dict) -> str:
         "",
         "Ratios of tokens/s, taken per round against the baseline of the same round: median [min–max].",
         "",
-        markdown_table(["comparison", "ratio", "rounds"],
-                       [[r["label"], fmt_summary(r), r["n"]] for r in payload["ratios"]]),
+        markdown_table(
+            ["comparison", "ratio", "rounds"], [[r["label"], fmt_summary(r), r["n"]] for r in payload["ratios"]]
+        ),
         "",
         "Per variant (absolute figures on the machine above): median [min–max] over rounds.",
         "",
@@ -310,15 +433,42 @@ def render_markdown(payload: dict) -> str:
     rows = []
     for variant, s in summary.items():
         rss = "; ".join(f"r{rank}: {fmt(v['median'], 0)}" for rank, v in s["peak_rss_mib"].items())
-        rows.append([variant, fmt_summary(s["tokens_per_s"], 0), fmt(s["mfu"] and 100 * s["mfu"], 1),
-                     fmt_summary(s["first_step_s"], 1), fmt_summary(s["exit_after_last_step_s"], 1), fmt_summary(s["publish_s"], 2),
-                     fmt(s["optimizer_step_s"]["median"], 3), rss, s["failures"]])
-    lines.append(markdown_table(["variant", "tokens/s", "MFU %", "launch → end of step 1 (s)", "end of last step → exit (s)",
-                                 "of which final publish (s)", "optimizer step (s)", "peak RSS per rank (MiB)", "failed"], rows))
+        rows.append(
+            [
+                variant,
+                fmt_summary(s["tokens_per_s"], 0),
+                fmt(s["mfu"] and 100 * s["mfu"], 1),
+                fmt_summary(s["first_step_s"], 1),
+                fmt_summary(s["exit_after_last_step_s"], 1),
+                fmt_summary(s["publish_s"], 2),
+                fmt(s["optimizer_step_s"]["median"], 3),
+                rss,
+                s["failures"],
+            ]
+        )
+    lines.append(
+        markdown_table(
+            [
+                "variant",
+                "tokens/s",
+                "MFU %",
+                "launch → end of step 1 (s)",
+                "end of last step → exit (s)",
+                "of which final publish (s)",
+                "optimizer step (s)",
+                "peak RSS per rank (MiB)",
+                "failed",
+            ],
+            rows,
+        )
+    )
     if payload.get("trl_note"):
         lines += ["", f"TRL skipped: {payload['trl_note']}"]
-    lines += ["", f"MFU = 6 × {payload['parameters'] / 1e6:.2f}M parameters × tokens/s / all-core matmul peak.",
-              f"Command: `{payload['command']}` ({payload['total_s'] / 60:.1f} min)."]
+    lines += [
+        "",
+        f"MFU = 6 × {payload['parameters'] / 1e6:.2f}M parameters × tokens/s / all-core matmul peak.",
+        f"Command: `{payload['command']}` ({payload['total_s'] / 60:.1f} min).",
+    ]
     return "\n".join(lines)
 
 

@@ -37,7 +37,15 @@ def one_rank():
     os.environ.update(saved)
 
 
-RENDEZVOUS_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+RENDEZVOUS_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -78,20 +86,26 @@ def run_bounded(command: list[str], timeout: float, **options) -> subprocess.Com
     timeout kills the whole tree (launcher -> launch.py -> ranks) and fails the test with the output
     so far. A plain `subprocess.run` timeout kills only the launcher: its ranks live on, holding their
     port and memory, and hang the launches that come after them."""
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **options)
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **options
+    )
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
-        raise AssertionError(f"{' '.join(map(str, command[:4]))} ... ran past {timeout} s and was killed:\n{stdout[-3000:]}\n{stderr[-3000:]}") from None
+        raise AssertionError(
+            f"{' '.join(map(str, command[:4]))} ... ran past {timeout} s and was killed:\n{stdout[-3000:]}\n{stderr[-3000:]}"
+        ) from None
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
-def launch_ranks(arguments: list[str], ranks: int, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def launch_ranks(
+    arguments: list[str], ranks: int, timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """The real `deepspeed --num_gpus ranks --master_port <free> ARGUMENTS` from the repo root, bounded.
 
     Every launch gets a free port of its own (DeepSpeed's default 29500 is shared by every launch that

@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 
 
-def next_token_cross_entropy_sum(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def next_token_cross_entropy_sum(
+    logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum of -log p(input_ids[:, t] | input_ids[:, <t]) over positions t >= 1 with loss_mask[:, t] = 1.
 
     logits: [batch, seq_len, vocab] (any float dtype; computed in fp32); input_ids, loss_mask: [batch, seq_len].

@@ -63,7 +63,9 @@ def dpo_loss(
         raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
     if label_smoothing and loss_type != "sigmoid":
         raise ValueError(f'label_smoothing applies to loss_type "sigmoid" only, not {loss_type!r}')
-    shapes = {t.shape for t in (policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)}
+    shapes = {
+        t.shape for t in (policy_chosen_logps, policy_rejected_logps, reference_chosen_logps, reference_rejected_logps)
+    }
     if len(shapes) != 1:
         raise ValueError(f"the four log-prob tensors must have one shape [batch], got {sorted(map(tuple, shapes))}")
 

@@ -249,5 +249,7 @@ def broadcast_sequence_advantages(advantages: torch.Tensor, mask: torch.Tensor) 
     advantages: [batch]; mask: [batch, response_len]. Returns [batch, response_len], 0 at padding.
     """
     if advantages.dim() != 1 or mask.dim() != 2 or advantages.shape[0] != mask.shape[0]:
-        raise ValueError(f"expected advantages [batch] and mask [batch, response_len], got {tuple(advantages.shape)}, {tuple(mask.shape)}")
+        raise ValueError(
+            f"expected advantages [batch] and mask [batch, response_len], got {tuple(advantages.shape)}, {tuple(mask.shape)}"
+        )
     return _zero_padding(advantages.unsqueeze(1).expand(mask.shape), mask.bool())

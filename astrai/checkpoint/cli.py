@@ -15,8 +15,8 @@ This module stays ignorant of train types: the caller names the parts.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from .errors import CheckpointError, CheckpointVerifyError, LegacyCheckpointError
 from .layout import list_published, parse_hidden_dir_name, parse_step_dir_name
@@ -40,7 +40,9 @@ def resolve_targets(path: Path, *, latest: bool) -> tuple[list[Path], str | None
     return published[:1] if latest else published, None
 
 
-def check_target(target: Path, *, hash_threads: int | None, digests: bool, required_parts: list[str]) -> tuple[str, str]:
+def check_target(
+    target: Path, *, hash_threads: int | None, digests: bool, required_parts: list[str]
+) -> tuple[str, str]:
     """("valid" | "invalid" | "legacy", the line to print) for one checkpoint directory."""
     try:
         report = verify_checkpoint(target, hash_threads=hash_threads, digests=digests)
@@ -72,7 +74,10 @@ def verify_main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--hash-threads", type=int, default=None, help="hashing threads (default: min(8, CPUs))")
     parser.add_argument(
-        "--require-parts", action="append", default=[], metavar="PART[,PART...]",
+        "--require-parts",
+        action="append",
+        default=[],
+        metavar="PART[,PART...]",
         help="also fail a checkpoint lacking any of these parts (e.g. policy,critic); repeatable",
     )
     try:
@@ -86,7 +91,9 @@ def verify_main(argv: Sequence[str] | None = None) -> int:
     required = [part.strip() for group in args.require_parts for part in group.split(",") if part.strip()]
     counts = {"valid": 0, "invalid": 0, "legacy": 0}
     for target in targets:
-        outcome, line = check_target(target, hash_threads=args.hash_threads, digests=not args.quick, required_parts=required)
+        outcome, line = check_target(
+            target, hash_threads=args.hash_threads, digests=not args.quick, required_parts=required
+        )
         counts[outcome] += 1
         print(line)
     print(f"{counts['valid']} valid, {counts['invalid']} invalid, {counts['legacy']} legacy")

@@ -46,8 +46,7 @@ def new_hasher(algorithm: str):
             import xxhash
         except ImportError as error:
             raise CheckpointError(
-                "hash 'xxh3_128' needs the xxhash package: pip install xxhash "
-                "(or pick checkpoint.hash: sha256)"
+                "hash 'xxh3_128' needs the xxhash package: pip install xxhash (or pick checkpoint.hash: sha256)"
             ) from error
         return xxhash.xxh3_128()
     raise CheckpointError(f"unknown hash algorithm {algorithm!r}; this AstrAI knows {', '.join(HASH_ALGORITHMS)}")
@@ -95,12 +94,19 @@ def confirm_known(path: Path, known: FileDigest, algorithm: str, *, fsync: bool 
     size = os.stat(path).st_size
     if size == known.size:
         return known
-    logger.warning("%s changed size after it was hashed while written (%d -> %d bytes); hashing it again", path, known.size, size)
+    logger.warning(
+        "%s changed size after it was hashed while written (%d -> %d bytes); hashing it again", path, known.size, size
+    )
     return _digest(path, algorithm)
 
 
 def hash_files(
-    root: Path, relative_paths: list[str], algorithm: str, *, threads: int, fsync: bool = False,
+    root: Path,
+    relative_paths: list[str],
+    algorithm: str,
+    *,
+    threads: int,
+    fsync: bool = False,
     known: dict[str, FileDigest] | None = None,
 ) -> dict[str, FileDigest]:
     """Digests of `root/<relative path>` for each path, hashed `threads` at a time.

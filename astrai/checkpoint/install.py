@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from . import fs
 from .errors import CheckpointError
@@ -25,8 +25,13 @@ logger = logging.getLogger("astrai.checkpoint.publisher")  # the publisher's log
 
 
 def publish_staging(
-    checkpoints_dir: Path, staging: Path, step: int, manifest: Manifest, pre_publish: Callable[[], None] | None,
-    *, renamed: Callable[[], None],
+    checkpoints_dir: Path,
+    staging: Path,
+    step: int,
+    manifest: Manifest,
+    pre_publish: Callable[[], None] | None,
+    *,
+    renamed: Callable[[], None],
 ) -> Path:
     """Publish `staging` as `checkpoints_dir/step_<step>` (see the module docstring) and return that path.
     `renamed()` is called as soon as the staging directory has become the checkpoint."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -37,7 +37,7 @@ class Manifest:
     files: dict[str, FileDigest]
     world_size: int = 1
     meta: dict[str, Any] = field(default_factory=dict)
-    created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    created: str = field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     version: int = MANIFEST_VERSION
 
     @property
@@ -109,8 +109,14 @@ def parse_manifest(document: Any, source: Path) -> Manifest:
     if not isinstance(meta, dict) or not isinstance(created, str):
         raise fail("invalid meta or created field")
     return Manifest(
-        step=step, parts=tuple(parts), hash_algorithm=algorithm, files=entries,
-        world_size=world_size, meta=meta, created=created, version=version,
+        step=step,
+        parts=tuple(parts),
+        hash_algorithm=algorithm,
+        files=entries,
+        world_size=world_size,
+        meta=meta,
+        created=created,
+        version=version,
     )
 
 

@@ -5,7 +5,7 @@ reported name files of the agreed listing, each reported by one rank."""
 from __future__ import annotations
 
 import errno
-from typing import Sequence
+from collections.abc import Sequence
 
 from .errors import CheckpointError
 from .hashing import FileDigest
@@ -53,5 +53,7 @@ def check_reported_digests(context: str, listing: Sequence[str], known: Sequence
                     "which is not a file of the staging directory; nothing was published"
                 )
             if path in reported_by:
-                raise CheckpointError(f"{context}: ranks {reported_by[path]} and {rank} both report writing {path!r}; nothing was published")
+                raise CheckpointError(
+                    f"{context}: ranks {reported_by[path]} and {rank} both report writing {path!r}; nothing was published"
+                )
             reported_by[path] = rank

@@ -24,44 +24,73 @@ import os
 import pickletools
 import warnings
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 # Globals torch.load(weights_only=True) allows by itself: tensors, storages and containers.
-TORCH_DATA_GLOBALS = frozenset({
-    "collections.OrderedDict",
-    "torch._utils._rebuild_tensor_v2",
-    "torch._utils._rebuild_parameter",
-    "torch._utils._rebuild_parameter_with_state",
-    "torch._tensor._rebuild_from_type_v2",  # ZeRO-3's optimizer shards
-    "torch.Tensor",
-    "torch.Size",
-    "torch.device",
-    "torch.float32", "torch.float16", "torch.bfloat16", "torch.float64", "torch.int64", "torch.int32", "torch.uint8",
-    "torch.bool", "torch.int8", "torch.int16",
-    "torch.FloatStorage", "torch.HalfStorage", "torch.BFloat16Storage", "torch.DoubleStorage", "torch.LongStorage",
-    "torch.IntStorage", "torch.ByteStorage", "torch.BoolStorage", "torch.CharStorage", "torch.ShortStorage",
-    "torch.storage.UntypedStorage", "torch.UntypedStorage",
-})
+TORCH_DATA_GLOBALS = frozenset(
+    {
+        "collections.OrderedDict",
+        "torch._utils._rebuild_tensor_v2",
+        "torch._utils._rebuild_parameter",
+        "torch._utils._rebuild_parameter_with_state",
+        "torch._tensor._rebuild_from_type_v2",  # ZeRO-3's optimizer shards
+        "torch.Tensor",
+        "torch.Size",
+        "torch.device",
+        "torch.float32",
+        "torch.float16",
+        "torch.bfloat16",
+        "torch.float64",
+        "torch.int64",
+        "torch.int32",
+        "torch.uint8",
+        "torch.bool",
+        "torch.int8",
+        "torch.int16",
+        "torch.FloatStorage",
+        "torch.HalfStorage",
+        "torch.BFloat16Storage",
+        "torch.DoubleStorage",
+        "torch.LongStorage",
+        "torch.IntStorage",
+        "torch.ByteStorage",
+        "torch.BoolStorage",
+        "torch.CharStorage",
+        "torch.ShortStorage",
+        "torch.storage.UntypedStorage",
+        "torch.UntypedStorage",
+    }
+)
 # What DeepSpeed 0.19.8's files add: ZeRO-1/2/3 optimizer shards (and ds_to_universal's output) hold the
 # stage enum, the loss scaler object and (ZeRO-1/2) each parameter's fragment address. DynamicLossScaler
 # is what an fp16 run's shards hold instead of LossScaler (DeepSpeed saves `self.loss_scaler` as is).
-DEEPSPEED_GLOBALS = frozenset({
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-})
+DEEPSPEED_GLOBALS = frozenset(
+    {
+        "deepspeed.runtime.zero.config.ZeroStageEnum",
+        "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+        "deepspeed.utils.tensor_fragment.fragment_address",
+    }
+)
 TENSOR_FILE_GLOBALS = TORCH_DATA_GLOBALS | DEEPSPEED_GLOBALS
 
 # What a `pickle.dumps({"python": random.getstate(), "numpy": numpy.random.get_state(), "torch": ...})`
 # snapshot holds (the RNG format before JSON): numpy's array rebuild, and torch tensors whose storage
 # is itself a small legacy torch file (`_load_from_bytes`, scanned in turn).
-RNG_SNAPSHOT_GLOBALS = frozenset({
-    "numpy._core.multiarray._reconstruct", "numpy.core.multiarray._reconstruct", "numpy.ndarray", "numpy.dtype",
-    "torch._utils._rebuild_tensor_v2", "torch.storage._load_from_bytes", "collections.OrderedDict",
-    "torch.ByteStorage", "torch.storage.UntypedStorage",
-})
+RNG_SNAPSHOT_GLOBALS = frozenset(
+    {
+        "numpy._core.multiarray._reconstruct",
+        "numpy.core.multiarray._reconstruct",
+        "numpy.ndarray",
+        "numpy.dtype",
+        "torch._utils._rebuild_tensor_v2",
+        "torch.storage._load_from_bytes",
+        "collections.OrderedDict",
+        "torch.ByteStorage",
+        "torch.storage.UntypedStorage",
+    }
+)
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".pkl", ".pickle", ".bin")
 ZIP_MAGIC = b"PK\x03\x04"

@@ -35,9 +35,10 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from . import fs
 from .collective import PhaseStalledError, open_group
@@ -69,7 +70,9 @@ class PublishReport:
     bytes: int
     seconds: float
     removed: tuple[Path, ...] = ()
-    blocked_s: float | None = None  # how long the caller waited (publish_async: phases 1-4 only; publish: all of `seconds`)
+    blocked_s: float | None = (
+        None  # how long the caller waited (publish_async: phases 1-4 only; publish: all of `seconds`)
+    )
     hashed_while_written: int = 0  # files whose digests came from the write callback (not read back)
 
 
@@ -254,7 +257,11 @@ class CheckpointPublisher:
         return self._finish(save, meta or {}, pre_publish, started, blocked=True)
 
     def publish_async(
-        self, step: int, write: WriteCallback, *, meta: dict[str, Any] | None = None,
+        self,
+        step: int,
+        write: WriteCallback,
+        *,
+        meta: dict[str, Any] | None = None,
         pre_publish: Callable[[], None] | None = None,
     ) -> float:
         """As `publish`, but return once `write` has run on every rank and the staging listing agrees;
@@ -286,8 +293,14 @@ class CheckpointPublisher:
             raise
 
     def _finish(
-        self, save: _Save, meta: dict[str, Any], pre_publish: Callable[[], None] | None,
-        started: float, *, blocked: bool, blocked_s: float | None = None,
+        self,
+        save: _Save,
+        meta: dict[str, Any],
+        pre_publish: Callable[[], None] | None,
+        started: float,
+        *,
+        blocked: bool,
+        blocked_s: float | None = None,
     ) -> PublishReport:
         """Phases 5-6 (hash + fsync, manifest, rename) and retention: the report, or every rank raises."""
         group = save.group
@@ -303,14 +316,23 @@ class CheckpointPublisher:
         removed = self._apply_retention(published) if group.rank == 0 else ()
         seconds = time.monotonic() - started
         report = PublishReport(
-            path=published, step=save.step, files=len(manifest.files), bytes=manifest.total_bytes,
-            seconds=seconds, removed=removed, blocked_s=seconds if blocked else blocked_s,
+            path=published,
+            step=save.step,
+            files=len(manifest.files),
+            bytes=manifest.total_bytes,
+            seconds=seconds,
+            removed=removed,
+            blocked_s=seconds if blocked else blocked_s,
             hashed_while_written=sum(len(digests) for digests in save.known),
         )
         if group.rank == 0:
             logger.info(
-                "published %s: %d files (%d hashed while written), %.1f MiB in %.2f s%s", published, report.files,
-                report.hashed_while_written, report.bytes / 2**20, report.seconds,
+                "published %s: %d files (%d hashed while written), %.1f MiB in %.2f s%s",
+                published,
+                report.files,
+                report.hashed_while_written,
+                report.bytes / 2**20,
+                report.seconds,
                 "" if blocked else f" (training waited {report.blocked_s:.2f} s of it)",
             )
         return report
@@ -362,15 +384,20 @@ class CheckpointPublisher:
         own_known = save.known[rank]
         share = list(own_known) + [path for path in save.listing if path not in known_anywhere][rank::world_size]
         digest_maps = self._phase(
-            save, "hash",
+            save,
+            "hash",
             lambda: hash_files(
                 save.staging, share, self.hash_algorithm, threads=self.hash_threads, fsync=True, known=own_known
             ),
         )
         files = {path: digest for digests in digest_maps for path, digest in digests.items()}
         return Manifest(
-            step=save.step, parts=self.parts, hash_algorithm=self.hash_algorithm, files=files,
-            world_size=save.group.world_size, meta=meta,
+            step=save.step,
+            parts=self.parts,
+            hash_algorithm=self.hash_algorithm,
+            files=files,
+            world_size=save.group.world_size,
+            meta=meta,
         )
 
     def _create_staging(self, save: _Save) -> tuple[int, str, str | None, str | None]:
@@ -426,7 +453,9 @@ class CheckpointPublisher:
         def renamed() -> None:
             save.staging = None
 
-        return str(publish_staging(self.checkpoints_dir, save.staging, save.step, manifest, pre_publish, renamed=renamed))
+        return str(
+            publish_staging(self.checkpoints_dir, save.staging, save.step, manifest, pre_publish, renamed=renamed)
+        )
 
     def _apply_retention(self, published: Path) -> tuple[Path, ...]:
         """Rank 0: keep_last retention; a failure is logged, never fails the save (the new checkpoint is published)."""

@@ -25,8 +25,8 @@ from __future__ import annotations
 import io
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from . import fs
 from .hashing import CHUNK_BYTES, FileDigest, new_hasher
@@ -107,8 +107,12 @@ class StreamedFile(io.RawIOBase):
     """
 
     def __init__(
-        self, path: str | Path, algorithm: str | None, *, writeback_bytes: int = WRITEBACK_BYTES,
-        on_digest: Callable[["StreamedFile"], None] | None = None,
+        self,
+        path: str | Path,
+        algorithm: str | None,
+        *,
+        writeback_bytes: int = WRITEBACK_BYTES,
+        on_digest: Callable[[StreamedFile], None] | None = None,
     ):
         super().__init__()
         if writeback_bytes <= 0:

@@ -6,9 +6,9 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
 
 from .errors import CheckpointError, CheckpointVerifyError, LegacyCheckpointError
 from .hashing import default_hash_threads, hash_files
@@ -65,8 +65,10 @@ def check_folder_step(checkpoint_dir: Path, manifest: Manifest) -> None:
     folder_step = parse_step_dir_name(Path(checkpoint_dir).name)
     if folder_step is not None and folder_step != manifest.step:
         raise CheckpointVerifyError(
-            checkpoint_dir, "step mismatch",
-            f"the manifest says step {manifest.step}, the folder name step {folder_step}", MANIFEST_NAME,
+            checkpoint_dir,
+            "step mismatch",
+            f"the manifest says step {manifest.step}, the folder name step {folder_step}",
+            MANIFEST_NAME,
         )
 
 
@@ -118,8 +120,13 @@ def verify_checkpoint(checkpoint_dir: Path, *, hash_threads: int | None = None, 
                 raise CheckpointVerifyError(checkpoint_dir, "wrong digest", detail, path)
         scan_pickles(checkpoint_dir, ordered)
     return VerifyReport(
-        checkpoint=checkpoint_dir, step=manifest.step, files=len(manifest.files), bytes=manifest.total_bytes,
-        seconds=time.monotonic() - started, algorithm=manifest.hash_algorithm, digests_checked=digests,
+        checkpoint=checkpoint_dir,
+        step=manifest.step,
+        files=len(manifest.files),
+        bytes=manifest.total_bytes,
+        seconds=time.monotonic() - started,
+        algorithm=manifest.hash_algorithm,
+        digests_checked=digests,
     )
 
 
@@ -180,7 +187,9 @@ def _warn_about_recoverable(checkpoints_dir: Path, published_steps: set[int]) ->
         if kind == "retired" and step not in published_steps and (path / MANIFEST_NAME).is_file():
             logger.warning(
                 "checkpoint step %d exists only as %s (a republish was interrupted); "
-                "cleanup_stale() restores it, run it before looking for the latest checkpoint", step, path,
+                "cleanup_stale() restores it, run it before looking for the latest checkpoint",
+                step,
+                path,
             )
 
 

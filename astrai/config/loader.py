@@ -170,9 +170,13 @@ def _check_paths(job: JobConfig, source: str) -> None:
     """Fail before any rank works when a local file the job names is not there."""
     if not glob.glob(job.data.path) and not Path(job.data.path).exists():
         raise ConfigError(f"{source}: data.path: no file matches {job.data.path!r}")
-    for key, value in (("model.path", job.model.path), ("model.reference_path", job.model.reference_path), ("tokenizer.path", job.tokenizer.path),
-                       ("critic.path", job.critic.path),
-                       ("model.init_from_checkpoint", job.model.init_from_checkpoint)):
+    for key, value in (
+        ("model.path", job.model.path),
+        ("model.reference_path", job.model.reference_path),
+        ("tokenizer.path", job.tokenizer.path),
+        ("critic.path", job.critic.path),
+        ("model.init_from_checkpoint", job.model.init_from_checkpoint),
+    ):
         if value is not None and not Path(value).is_dir():
             raise ConfigError(f"{source}: {key}: local folder {value!r} does not exist{_missing_folder_hint(value)}")
     if job.deepspeed.config is not None and resolve_template(job.deepspeed.config, source) is None:

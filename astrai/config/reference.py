@@ -1,6 +1,6 @@
 """The config reference (`docs/guides/config.md`) generated from the schema, so docs cannot drift.
 
-    python -m astrai config-docs > docs/guides/config.md
+python -m astrai config-docs > docs/guides/config.md
 """
 
 from __future__ import annotations
@@ -63,12 +63,30 @@ def render_reference() -> str:
     for dotted, field in iter_keys():
         nested = _section_model(field.annotation)
         if nested is not None and "." not in dotted:
-            lines += ["", f"## `{dotted}`", "", field.description or _summary(nested), "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+            lines += [
+                "",
+                f"## `{dotted}`",
+                "",
+                field.description or _summary(nested),
+                "",
+                "| key | type | default | meaning |",
+                "| --- | --- | --- | --- |",
+            ]
             continue
         if nested is not None:
             lines.append(f"| `{dotted}` | section | {_default(field)} | {field.description or ''} |")
             continue
         if "." not in dotted:
-            lines += ["", f"## `{dotted}`", "", field.description or "", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
-        lines.append(f"| `{dotted}` | `{_type_name(field.annotation)}` | {_default(field)} | {(field.description or '').replace('|', '/')} |")
+            lines += [
+                "",
+                f"## `{dotted}`",
+                "",
+                field.description or "",
+                "",
+                "| key | type | default | meaning |",
+                "| --- | --- | --- | --- |",
+            ]
+        lines.append(
+            f"| `{dotted}` | `{_type_name(field.annotation)}` | {_default(field)} | {(field.description or '').replace('|', '/')} |"
+        )
     return "\n".join(line for line in lines) + "\n"

@@ -24,7 +24,9 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
-    path: str | None = Field(None, description="Local folder of a transformers causal LM (config + weights). Exclusive with `init`.")
+    path: str | None = Field(
+        None, description="Local folder of a transformers causal LM (config + weights). Exclusive with `init`."
+    )
     init: dict[str, Any] | None = Field(
         None,
         description="Architecture block for a freshly initialised model: `model_type` plus any config field of that "
@@ -34,7 +36,8 @@ class ModelConfig(Section):
         "auto", description="Training precision. `auto`: bf16 on GPUs that support it, fp32 on CPU."
     )
     attn_implementation: str | None = Field(
-        None, description="Attention kernel handed to transformers (`sdpa`, `eager`, `flash_attention_2`). Env ASTR_BACKEND overrides."
+        None,
+        description="Attention kernel handed to transformers (`sdpa`, `eager`, `flash_attention_2`). Env ASTR_BACKEND overrides.",
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     zero3_init: bool = Field(
@@ -65,22 +68,31 @@ class ModelConfig(Section):
     )
 
     @model_validator(mode="after")
-    def _one_source(self) -> "ModelConfig":
+    def _one_source(self) -> ModelConfig:
         if (self.path is None) == (self.init is None):
-            raise ValueError("give exactly one of `model.path` (a local model folder) or `model.init` (an architecture block)")
+            raise ValueError(
+                "give exactly one of `model.path` (a local model folder) or `model.init` (an architecture block)"
+            )
         if self.init is not None and "model_type" not in self.init:
             raise ValueError("`model.init` needs a `model_type` (e.g. llama, qwen2, gpt2)")
         return self
 
 
 class TokenizerBuild(Section):
-    kind: Literal["char", "bpe"] = Field("char", description="`char`: one token per character seen in the data; `bpe`: byte-level BPE trained on the data.")
+    kind: Literal["char", "bpe"] = Field(
+        "char",
+        description="`char`: one token per character seen in the data; `bpe`: byte-level BPE trained on the data.",
+    )
     vocab_size: int = Field(512, ge=16, description="Target vocabulary size for `bpe` (ignored by `char`).")
 
 
 class TokenizerConfig(Section):
-    path: str | None = Field(None, description="Local tokenizer folder (default: `model.path`). Hub names fail offline with a clear error.")
-    build: TokenizerBuild | None = Field(None, description="Build a tokenizer from the training data instead of loading one (small runs).")
+    path: str | None = Field(
+        None, description="Local tokenizer folder (default: `model.path`). Hub names fail offline with a clear error."
+    )
+    build: TokenizerBuild | None = Field(
+        None, description="Build a tokenizer from the training data instead of loading one (small runs)."
+    )
     chat_template: str | None = Field(
         None,
         description="Jinja chat template to set on the tokenizer (default: the tokenizer's own, else ChatML when the "
@@ -91,21 +103,31 @@ class TokenizerConfig(Section):
 
 class DataConfig(Section):
     path: str = Field(..., description="Training data: a local file, folder or glob of json/jsonl/parquet/arrow files.")
-    format: Literal["auto", "json", "parquet", "arrow"] = Field("auto", description="File format; `auto` reads it from the extension.")
+    format: Literal["auto", "json", "parquet", "arrow"] = Field(
+        "auto", description="File format; `auto` reads it from the extension."
+    )
     text_field: str = Field("text", description="Field with raw text (`seq`).")
-    messages_field: str = Field("messages", description="Field with a chat `[{role, content}]` list (`sft`, `dpo`, RL prompts).")
+    messages_field: str = Field(
+        "messages", description="Field with a chat `[{role, content}]` list (`sft`, `dpo`, RL prompts)."
+    )
     prompt_field: str = Field("prompt", description="Field with a prompt string, used when there is no messages field.")
-    response_field: str = Field("response", description="Field with the response string (`sft` with prompt/response rows).")
+    response_field: str = Field(
+        "response", description="Field with the response string (`sft` with prompt/response rows)."
+    )
     chosen_field: str = Field("chosen", description="Preferred response (`dpo`).")
     rejected_field: str = Field("rejected", description="Dispreferred response (`dpo`).")
     max_seq_len: int = Field(512, ge=8, description="Block length for `seq` packing; longer `sft` rows are truncated.")
-    on_bad_row: Literal["error", "skip"] = Field("error", description="Malformed row: stop with file and row named, or skip and count it in the log.")
+    on_bad_row: Literal["error", "skip"] = Field(
+        "error", description="Malformed row: stop with file and row named, or skip and count it in the log."
+    )
     num_proc: int = Field(1, ge=1, description="Processes for tokenisation (`datasets.map`).")
     shuffle: bool = Field(True, description="Shuffle each epoch (deterministic for `train.seed` and the epoch).")
 
 
 class TrainConfig(Section):
-    train_type: Literal["seq", "sft", "dpo", "grpo", "online_ppo"] = Field(..., description="What to train: see the table of train types.")
+    train_type: Literal["seq", "sft", "dpo", "grpo", "online_ppo"] = Field(
+        ..., description="What to train: see the table of train types."
+    )
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps to run (exclusive with `epochs`).")
     epochs: float | None = Field(None, gt=0, description="Passes over the data; converted to steps from the data size.")
     micro_batch_size: int = Field(1, ge=1, description="Samples per rank per forward/backward.")
@@ -113,12 +135,18 @@ class TrainConfig(Section):
     lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate as a fraction of `lr`.")
     lr_schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
-    warmup_steps: int | None = Field(None, ge=0, description="Linear warmup steps (exclusive with `warmup_ratio`). Online types count steps in rollouts, as `max_steps`.")
+    warmup_steps: int | None = Field(
+        None,
+        ge=0,
+        description="Linear warmup steps (exclusive with `warmup_ratio`). Online types count steps in rollouts, as `max_steps`.",
+    )
     warmup_ratio: float | None = Field(None, ge=0, le=1, description="Warmup as a fraction of the total steps.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (not applied to biases and norms).")
     adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
-    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this (null: no clipping).")
+    max_grad_norm: float | None = Field(
+        1.0, gt=0, description="Clip the global gradient norm to this (null: no clipping)."
+    )
     seed: int = Field(
         42,
         description="Seeds Python, numpy and torch on every rank before anything is built (model init, dropout, "
@@ -126,14 +154,15 @@ class TrainConfig(Section):
     )
     log_every_steps: int = Field(1, ge=1, description="Write a metrics record every N optimizer steps.")
     on_nonfinite: Literal["stop", "skip_step"] = Field(
-        "stop", description="A non-finite loss or gradient norm on any rank (decided on all ranks together): `stop` "
+        "stop",
+        description="A non-finite loss or gradient norm on any rank (decided on all ranks together): `stop` "
         "ends the run with exit 1 before the step's update and before any checkpoint of it (the last good checkpoint "
         "stays newest); `skip_step` "
-        "discards that optimizer step's gradients, applies no update and counts it in the metric `skipped_steps`."
+        "discards that optimizer step's gradients, applies no update and counts it in the metric `skipped_steps`.",
     )
 
     @model_validator(mode="after")
-    def _length(self) -> "TrainConfig":
+    def _length(self) -> TrainConfig:
         if (self.max_steps is None) == (self.epochs is None):
             raise ValueError("give exactly one of `train.max_steps` or `train.epochs`")
         if self.warmup_steps is not None and self.warmup_ratio is not None:
@@ -142,35 +171,62 @@ class TrainConfig(Section):
 
 
 class DeepSpeedSection(Section):
-    config: str | None = Field(None, description="Template JSON (e.g. `ds_configs/zero3.json`), relative to the repo or the job file.")
+    config: str | None = Field(
+        None, description="Template JSON (e.g. `ds_configs/zero3.json`), relative to the repo or the job file."
+    )
     zero_stage: Literal[0, 1, 2, 3] | None = Field(None, description="ZeRO stage; overrides the template's.")
-    offload_optimizer: Literal["none", "cpu", "nvme"] | None = Field(None, description="Optimizer state offload; overrides the template.")
-    offload_param: Literal["none", "cpu", "nvme"] | None = Field(None, description="Parameter offload (ZeRO-3); overrides the template.")
+    offload_optimizer: Literal["none", "cpu", "nvme"] | None = Field(
+        None, description="Optimizer state offload; overrides the template."
+    )
+    offload_param: Literal["none", "cpu", "nvme"] | None = Field(
+        None, description="Parameter offload (ZeRO-3); overrides the template."
+    )
     optimizer: Literal["auto", "torch", "fused", "cpu_adam"] = Field(
-        "auto", description="AdamW implementation: `auto` = fused on CUDA, torch on CPU, DeepSpeedCPUAdam with optimizer offload."
+        "auto",
+        description="AdamW implementation: `auto` = fused on CUDA, torch on CPU, DeepSpeedCPUAdam with optimizer offload.",
     )
     single_rank_stage0: bool = Field(
-        True, description="On one rank, run ZeRO-1/2 (without offload) as ZeRO-0: they partition nothing there and only cost time."
+        True,
+        description="On one rank, run ZeRO-1/2 (without offload) as ZeRO-0: they partition nothing there and only cost time.",
     )
-    overrides: dict[str, Any] = Field(default_factory=dict, description="Raw DeepSpeed config keys merged last (deep merge).")
+    overrides: dict[str, Any] = Field(
+        default_factory=dict, description="Raw DeepSpeed config keys merged last (deep merge)."
+    )
 
 
 class CheckpointConfig(Section):
-    every_steps: int | None = Field(None, ge=1, description="Publish a checkpoint every N optimizer steps (always at the end of a run).")
-    keep_last: int | None = Field(None, ge=1, description="Keep the newest K checkpoints; older ones are removed only after a newer one is published.")
-    resume: str = Field("auto", description="`auto`: newest valid checkpoint in output_dir; `never`: start fresh; or a checkpoint path.")
+    every_steps: int | None = Field(
+        None, ge=1, description="Publish a checkpoint every N optimizer steps (always at the end of a run)."
+    )
+    keep_last: int | None = Field(
+        None,
+        ge=1,
+        description="Keep the newest K checkpoints; older ones are removed only after a newer one is published.",
+    )
+    resume: str = Field(
+        "auto", description="`auto`: newest valid checkpoint in output_dir; `never`: start fresh; or a checkpoint path."
+    )
     verify_on_load: bool = Field(False, description="Re-hash every file against the manifest before resuming.")
     hash: Literal["sha256", "blake2b", "xxh3_128"] = Field(
-        "sha256", description="File digest recorded in the manifest: sha256 (~1.1 GB/s a core, cryptographic; files hash in parallel threads and across ranks), or xxh3_128 (~10 GB/s a core) where hashing would show in save time."
+        "sha256",
+        description="File digest recorded in the manifest: sha256 (~1.1 GB/s a core, cryptographic; files hash in parallel threads and across ranks), or xxh3_128 (~10 GB/s a core) where hashing would show in save time.",
     )
-    save_timeout_s: float = Field(600.0, gt=0, description="A save that cannot finish on every rank within this fails with the stalled phase named.")
+    save_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="A save that cannot finish on every rank within this fails with the stalled phase named.",
+    )
     async_save: bool = Field(
-        False, description="Training goes on while a save is hashed, fsynced and published in a background thread (it blocks only while the shards are written); the next save, and the run's end, wait for it and fail on its error. The final save is always synchronous."
+        False,
+        description="Training goes on while a save is hashed, fsynced and published in a background thread (it blocks only while the shards are written); the next save, and the run's end, wait for it and fail on its error. The final save is always synchronous.",
     )
 
 
 class RuntimeConfig(Section):
-    environment: dict[str, Any] = Field(default_factory=dict, description="Variables exported to every rank of this job (values rendered with str(); null = empty), e.g. `{ASTR_LOG_LEVEL: DEBUG, ASTR_BACKEND: sdpa}` (the trainer's log level; the attention implementation handed to transformers: sdpa, eager, flash_attention_2). Nothing comes from the host shell unless listed here.")
+    environment: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Variables exported to every rank of this job (values rendered with str(); null = empty), e.g. `{ASTR_LOG_LEVEL: DEBUG, ASTR_BACKEND: sdpa}` (the trainer's log level; the attention implementation handed to transformers: sdpa, eager, flash_attention_2). Nothing comes from the host shell unless listed here.",
+    )
     dist_timeout_s: float = Field(1800.0, gt=0, description="Timeout of every collective of the job's process groups.")
     log_level: str = Field(
         "INFO", description="Trainer log level (env ASTR_LOG_LEVEL overrides): DEBUG, INFO, WARNING, ERROR or CRITICAL."
@@ -178,10 +234,10 @@ class RuntimeConfig(Section):
     progress_bar: bool = Field(True, description="tqdm bar on rank 0.")
     tensorboard: bool = Field(True, description="Write TensorBoard events when `tensorboard` is installed.")
     tune_malloc: bool = Field(
-        True, description="Set glibc malloc's mmap/trim thresholds on every rank so each step's buffers are kept rather than faulted in "
-        "again (1.1x tokens/s on a CPU; skipped where another allocator is preloaded or MALLOC_*_ is set; astrai/engine/host_memory.py)."
+        True,
+        description="Set glibc malloc's mmap/trim thresholds on every rank so each step's buffers are kept rather than faulted in "
+        "again (1.1x tokens/s on a CPU; skipped where another allocator is preloaded or MALLOC_*_ is set; astrai/engine/host_memory.py).",
     )
-
 
     @field_validator("log_level")
     @classmethod
@@ -205,8 +261,13 @@ def known_log_level(value: str) -> str:
 
 
 class GpuConfig(Section):
-    devices: Literal["all"] | list[int] = Field("all", description="GPUs of the host for this job: `all` (CUDA_VISIBLE_DEVICES left unset) or a list like [0, 1, 2, 3].")
-    count: int | None = Field(None, ge=1, description="Ranks to start on the host (default: the number of listed devices, or every GPU).")
+    devices: Literal["all"] | list[int] = Field(
+        "all",
+        description="GPUs of the host for this job: `all` (CUDA_VISIBLE_DEVICES left unset) or a list like [0, 1, 2, 3].",
+    )
+    count: int | None = Field(
+        None, ge=1, description="Ranks to start on the host (default: the number of listed devices, or every GPU)."
+    )
 
 
 class NodeConfig(Section):
@@ -220,7 +281,9 @@ class InfraConfig(Section):
     job_name: str | None = Field(None, description="Name of the job (containers, logs).")
     data: str | None = Field(None, description="Host folder mounted read-only as the container's data folder.")
     model: str | None = Field(None, description="Host folder of models mounted into the container.")
-    checkpoint_dir: str | None = Field(None, description="Host folder mounted as the container's output folder (checkpoints, metrics).")
+    checkpoint_dir: str | None = Field(
+        None, description="Host folder mounted as the container's output folder (checkpoints, metrics)."
+    )
     gpu: GpuConfig = Field(default_factory=GpuConfig, description="Which GPUs of the host the job uses.")
     image: str = Field("astrai:latest", description="Container image the trainer runs in.")
     shm_size: str = Field("16g", description="Shared memory of the container (NCCL and data loaders need plenty).")
@@ -228,11 +291,13 @@ class InfraConfig(Section):
     hostfile: str | None = Field(None, description="A DeepSpeed hostfile (`host slots=N` lines) instead of `nodes`.")
     master_addr: str | None = Field(None, description="Address of node 0 for the rendezvous (default: the first node).")
     master_port: int = Field(29500, ge=1, le=65535, description="Rendezvous port on the master node.")
-    launcher: Literal["pdsh", "openmpi", "slurm", "no_ssh"] = Field("pdsh", description="How DeepSpeed's launcher reaches the nodes.")
+    launcher: Literal["pdsh", "openmpi", "slurm", "no_ssh"] = Field(
+        "pdsh", description="How DeepSpeed's launcher reaches the nodes."
+    )
     gpus_per_node: int | None = Field(None, ge=1, description="Devices each node must have (checked by the preflight).")
 
     @model_validator(mode="after")
-    def _one_host_list(self) -> "InfraConfig":
+    def _one_host_list(self) -> InfraConfig:
         if self.nodes is not None and self.hostfile is not None:
             raise ValueError("give at most one of `infra.nodes` or `infra.hostfile`")
         return self
@@ -248,8 +313,9 @@ class ServeConfig(Section):
 
 class ExportConfig(Section):
     hf_dir: str | None = Field(
-        None, description="Folder for a Hugging Face export of the final policy (null: `<output_dir>/hf`, so a run moved by "
-        "`--set output_dir=...` never overwrites another run's export)."
+        None,
+        description="Folder for a Hugging Face export of the final policy (null: `<output_dir>/hf`, so a run moved by "
+        "`--set output_dir=...` never overwrites another run's export).",
     )
     dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Dtype of the exported weights.")
     on_finish: bool = Field(False, description="Export when the run ends.")
@@ -257,42 +323,73 @@ class ExportConfig(Section):
 
 class DpoConfig(Section):
     beta: float = Field(
-        0.1, gt=0, description="`sigmoid`/`ipo`/`hinge`: strength of the implicit KL to the reference (DPO's beta); `simpo`: scale of "
+        0.1,
+        gt=0,
+        description="`sigmoid`/`ipo`/`hinge`: strength of the implicit KL to the reference (DPO's beta); `simpo`: scale of "
         "the average log-prob reward (SimPO's beta, paper: 2-2.5); `orpo`: weight of the odds-ratio term beside the NLL (ORPO's lambda, "
-        "TRL's default 0.1)."
+        "TRL's default 0.1).",
     )
     loss: Literal["sigmoid", "ipo", "hinge", "simpo", "orpo"] = Field(
-        "sigmoid", description="`sigmoid`: DPO; `ipo`: IPO's squared loss; `hinge`: SLiC-style hinge; reference-free (no reference "
+        "sigmoid",
+        description="`sigmoid`: DPO; `ipo`: IPO's squared loss; `hinge`: SLiC-style hinge; reference-free (no reference "
         "model is built): `simpo`: SimPO on average token log-probs with margin `dpo.simpo_gamma`; `orpo`: ORPO, NLL on chosen plus the "
-        "odds-ratio term."
+        "odds-ratio term.",
     )
-    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Assumed label-flip rate (conservative DPO); `sigmoid` only.")
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="Assumed label-flip rate (conservative DPO); `sigmoid` only."
+    )
     precompute_reference: bool = Field(
-        False, description="Compute the reference log-probs of every pair once before training, then free the reference model."
+        False,
+        description="Compute the reference log-probs of every pair once before training, then free the reference model.",
     )
     simpo_gamma: float = Field(
-        0.5, ge=0, description="`simpo` only: target reward margin gamma, subtracted from beta x (avg chosen - avg rejected log-prob) "
-        "(TRL's `simpo_gamma`; the SimPO paper's gamma/beta ratio is ~0.5, e.g. beta 2.5, gamma 1.25)."
+        0.5,
+        ge=0,
+        description="`simpo` only: target reward margin gamma, subtracted from beta x (avg chosen - avg rejected log-prob) "
+        "(TRL's `simpo_gamma`; the SimPO paper's gamma/beta ratio is ~0.5, e.g. beta 2.5, gamma 1.25).",
     )
 
 
 class RolloutConfig(Section):
-    prompts_per_step: int = Field(8, ge=1, description="Prompts per step across all ranks (a multiple of the number of ranks); each step samples prompts_per_step x group_size responses.")
-    group_size: int = Field(8, ge=1, description="Responses sampled per prompt; `grpo` scores each against the others of its group (>= 2).")
-    max_new_tokens: int = Field(64, ge=1, description="Longest response in tokens; a response that reaches it without EOS is cut there (metric `truncated_frac`).")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature; the loss's log-probs use the same temperature, so ratios compare like with like.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling (1: off). Below 1 the ratio ignores the truncation: a small bias.")
-    top_k: int = Field(0, ge=0, description="Sample among the k likeliest tokens only (0: off). Same caveat as `top_p`.")
+    prompts_per_step: int = Field(
+        8,
+        ge=1,
+        description="Prompts per step across all ranks (a multiple of the number of ranks); each step samples prompts_per_step x group_size responses.",
+    )
+    group_size: int = Field(
+        8, ge=1, description="Responses sampled per prompt; `grpo` scores each against the others of its group (>= 2)."
+    )
+    max_new_tokens: int = Field(
+        64,
+        ge=1,
+        description="Longest response in tokens; a response that reaches it without EOS is cut there (metric `truncated_frac`).",
+    )
+    temperature: float = Field(
+        1.0,
+        gt=0,
+        description="Sampling temperature; the loss's log-probs use the same temperature, so ratios compare like with like.",
+    )
+    top_p: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Nucleus sampling (1: off). Below 1 the ratio ignores the truncation: a small bias.",
+    )
+    top_k: int = Field(
+        0, ge=0, description="Sample among the k likeliest tokens only (0: off). Same caveat as `top_p`."
+    )
     zero3_generation: Literal["copy", "gather"] = Field(
-        "copy", description="ZeRO-3 only: `copy` samples from a plain copy of the policy allocated for each rollout (one full copy of the "
+        "copy",
+        description="ZeRO-3 only: `copy` samples from a plain copy of the policy allocated for each rollout (one full copy of the "
         "weights per rank while sampling; ~5x faster on a CPU); `gather` samples from the partitioned module inside one gather (same peak "
-        "memory, DeepSpeed's hooks at every forward)."
+        "memory, DeepSpeed's hooks at every forward).",
     )
     behaviour_logprobs: Literal["auto", "recompute", "sampler"] = Field(
-        "auto", description="Where the ratio's behaviour log-probs come from: `recompute`: one forward of the policy engine after sampling, the "
+        "auto",
+        description="Where the ratio's behaviour log-probs come from: `recompute`: one forward of the policy engine after sampling, the "
         "loss's own call, so the first ratio is exactly 1; `sampler`: kept from the sampling logits at each step (no extra forward: 1.1x the "
         "rollout tokens/s in benchmarks/rollout_speed.py; the KV-cached kernels differ from the full forward by ~1e-6 in fp32, ~1e-2 in bf16); "
-        "`auto`: `sampler` when the policy trains in fp32, `recompute` in bf16/fp16."
+        "`auto`: `sampler` when the policy trains in fp32, `recompute` in bf16/fp16.",
     )
 
 
@@ -303,16 +400,20 @@ class OverlongPenalty(Section):
         ..., ge=1, description="L_cache: the penalty grows linearly over the buffer_tokens tokens before max_tokens."
     )
     max_tokens: int | None = Field(
-        None, ge=1, description="L_max: a response this long or longer gets -penalty_factor; 0 up to max_tokens - "
-        "buffer_tokens (null: rollout.max_new_tokens, so a truncated response gets the full penalty)."
+        None,
+        ge=1,
+        description="L_max: a response this long or longer gets -penalty_factor; 0 up to max_tokens - "
+        "buffer_tokens (null: rollout.max_new_tokens, so a truncated response gets the full penalty).",
     )
     penalty_factor: float = Field(
-        1.0, gt=0, description="Scale of the penalty, in reward units (verl's overlong_buffer.penalty_factor; the "
-        "paper's is 1, against a correctness reward of +-1)."
+        1.0,
+        gt=0,
+        description="Scale of the penalty, in reward units (verl's overlong_buffer.penalty_factor; the "
+        "paper's is 1, against a correctness reward of +-1).",
     )
 
     @model_validator(mode="after")
-    def _buffer_within(self) -> "OverlongPenalty":
+    def _buffer_within(self) -> OverlongPenalty:
         if self.max_tokens is not None and self.buffer_tokens > self.max_tokens:
             raise ValueError(
                 f"`rl.overlong_penalty.buffer_tokens` ({self.buffer_tokens}) is larger than "
@@ -322,84 +423,147 @@ class OverlongPenalty(Section):
 
 
 class RlConfig(Section):
-    epochs_per_rollout: int = Field(1, ge=1, description="Passes over each rollout; targets (rewards, advantages, returns, behaviour and reference log-probs) stay fixed across them.")
+    epochs_per_rollout: int = Field(
+        1,
+        ge=1,
+        description="Passes over each rollout; targets (rewards, advantages, returns, behaviour and reference log-probs) stay fixed across them.",
+    )
     minibatch_size: int | None = Field(
-        None, ge=1, description="Sequences per optimizer step across all ranks; must equal train.micro_batch_size x train.grad_accum_steps x ranks (null: that product)."
+        None,
+        ge=1,
+        description="Sequences per optimizer step across all ranks; must equal train.micro_batch_size x train.grad_accum_steps x ranks (null: that product).",
     )
-    clip_eps: float | None = Field(None, gt=0, lt=1, description="Symmetric PPO clip: sets clip_eps_low, and clip_eps_high unless given (null: use clip_eps_low/high).")
+    clip_eps: float | None = Field(
+        None,
+        gt=0,
+        lt=1,
+        description="Symmetric PPO clip: sets clip_eps_low, and clip_eps_high unless given (null: use clip_eps_low/high).",
+    )
     clip_eps_low: float = Field(0.2, gt=0, lt=1, description="PPO clip: the ratio's lower bound is 1 - clip_eps_low.")
-    clip_eps_high: float | None = Field(None, gt=0, description="The ratio's upper bound is 1 + clip_eps_high (DAPO's clip-higher uses 0.28; null: clip_eps_low).")
-    dual_clip_c: float | None = Field(None, gt=1, description="`online_ppo`: dual-clip (Ye et al. 2020) caps a negative-advantage token's loss at -A x c (e.g. 3; null: off).")
-    kl_coef: float = Field(
-        0.04, ge=0, description="Weight of the KL to the reference: in the loss for `grpo` (GRPO paper: 0.04; "
-        "in the reward with rl.advantage_estimator reinforce_pp), in the per-token reward for `online_ppo` "
-        "(see rl.kl_in_reward); the starting value when rl.target_kl is set. 0 (without target_kl) skips the reference model entirely."
+    clip_eps_high: float | None = Field(
+        None,
+        gt=0,
+        description="The ratio's upper bound is 1 + clip_eps_high (DAPO's clip-higher uses 0.28; null: clip_eps_low).",
     )
-    kl_max_log_ratio: float | None = Field(10.0, gt=0, description="Clamp |log pi - log pi_ref| here before k3 (whose exp overflows past ~88); null: no clamp.")
+    dual_clip_c: float | None = Field(
+        None,
+        gt=1,
+        description="`online_ppo`: dual-clip (Ye et al. 2020) caps a negative-advantage token's loss at -A x c (e.g. 3; null: off).",
+    )
+    kl_coef: float = Field(
+        0.04,
+        ge=0,
+        description="Weight of the KL to the reference: in the loss for `grpo` (GRPO paper: 0.04; "
+        "in the reward with rl.advantage_estimator reinforce_pp), in the per-token reward for `online_ppo` "
+        "(see rl.kl_in_reward); the starting value when rl.target_kl is set. 0 (without target_kl) skips the reference model entirely.",
+    )
+    kl_max_log_ratio: float | None = Field(
+        10.0,
+        gt=0,
+        description="Clamp |log pi - log pi_ref| here before k3 (whose exp overflows past ~88); null: no clamp.",
+    )
     normalize_advantage_std: bool = Field(
-        True, description="`grpo`: advantages (r - group mean) / (group std + 1e-6) as in GRPO; false: r - group mean only (Dr. GRPO). "
-        "Read by rl.advantage_estimator grpo only."
+        True,
+        description="`grpo`: advantages (r - group mean) / (group std + 1e-6) as in GRPO; false: r - group mean only (Dr. GRPO). "
+        "Read by rl.advantage_estimator grpo only.",
     )
     loss_aggregation: Literal["token_mean", "sequence_mean"] = Field(
-        "token_mean", description="`token_mean`: every response token of the optimizer step weighs the same; `sequence_mean`: every response does (GRPO paper)."
+        "token_mean",
+        description="`token_mean`: every response token of the optimizer step weighs the same; `sequence_mean`: every response does (GRPO paper).",
     )
-    gamma: float = Field(1.0, ge=0, le=1, description="`online_ppo`: GAE discount per response token (1: no discount within a response).")
-    gae_lambda: float = Field(0.95, ge=0, le=1, description="`online_ppo`: GAE lambda (1: Monte Carlo returns, 0: one-step TD).")
+    gamma: float = Field(
+        1.0, ge=0, le=1, description="`online_ppo`: GAE discount per response token (1: no discount within a response)."
+    )
+    gae_lambda: float = Field(
+        0.95, ge=0, le=1, description="`online_ppo`: GAE lambda (1: Monte Carlo returns, 0: one-step TD)."
+    )
     vf_coef: float = Field(
-        1.0, gt=0, description="`online_ppo`: multiplier of the critic's loss. The critic has its own optimizer, so this trades off nothing against the "
-        "policy loss: with AdamW it mostly moves where critic.max_grad_norm starts clipping (docs/guides/rl.md)."
+        1.0,
+        gt=0,
+        description="`online_ppo`: multiplier of the critic's loss. The critic has its own optimizer, so this trades off nothing against the "
+        "policy loss: with AdamW it mostly moves where critic.max_grad_norm starts clipping (docs/guides/rl.md).",
     )
-    value_clip: float | None = Field(0.2, gt=0, description="`online_ppo`: PPO2 value clipping, |V - V_old| <= value_clip in the clipped branch (null: plain squared error).")
-    whiten_advantages: bool = Field(True, description="`online_ppo`: whiten the GAE advantages over the valid tokens of the whole step (all ranks).")
+    value_clip: float | None = Field(
+        0.2,
+        gt=0,
+        description="`online_ppo`: PPO2 value clipping, |V - V_old| <= value_clip in the clipped branch (null: plain squared error).",
+    )
+    whiten_advantages: bool = Field(
+        True, description="`online_ppo`: whiten the GAE advantages over the valid tokens of the whole step (all ranks)."
+    )
     kl_in_reward: bool = Field(
-        True, description="`online_ppo`: -kl_coef x KL(behaviour, reference) in every token's reward (Ziegler et al.); false: kl_coef x k3 in the loss, as `grpo`."
+        True,
+        description="`online_ppo`: -kl_coef x KL(behaviour, reference) in every token's reward (Ziegler et al.); false: kl_coef x k3 in the loss, as `grpo`.",
     )
     kl_estimator: Literal["k1", "k2", "k3"] | None = Field(
-        None, description="Per-token KL estimator (Schulman's k1, k2, k3). null: k1 where the KL is in the reward "
+        None,
+        description="Per-token KL estimator (Schulman's k1, k2, k3). null: k1 where the KL is in the reward "
         "(`online_ppo` with rl.kl_in_reward, `reinforce_pp`), k3 where it is a loss term (`grpo`, rl.kl_in_reward: "
-        "false). k1 as a loss term has zero expected gradient and is refused (docs/guides/rl.md, \"Which KL "
-        "estimator where\")."
+        'false). k1 as a loss term has zero expected gradient and is refused (docs/guides/rl.md, "Which KL '
+        'estimator where").',
     )
     target_kl: float | None = Field(
-        None, gt=0, description="`online_ppo`: adaptive KL coefficient (Ziegler et al. 2019) steering the KL, in nats per response, to this value (null: fixed kl_coef)."
+        None,
+        gt=0,
+        description="`online_ppo`: adaptive KL coefficient (Ziegler et al. 2019) steering the KL, in nats per response, to this value (null: fixed kl_coef).",
     )
-    kl_horizon: float = Field(10000.0, gt=0, description="`online_ppo`: horizon of the adaptive KL controller, in responses.")
-    reward_clip: float | None = Field(None, gt=0, description="`online_ppo`: clip each sequence reward to [-reward_clip, reward_clip] before shaping (null: off).")
+    kl_horizon: float = Field(
+        10000.0, gt=0, description="`online_ppo`: horizon of the adaptive KL controller, in responses."
+    )
+    reward_clip: float | None = Field(
+        None,
+        gt=0,
+        description="`online_ppo`: clip each sequence reward to [-reward_clip, reward_clip] before shaping (null: off).",
+    )
     reward_normalization: Literal["none", "batch"] = Field(
-        "none", description="`online_ppo`: `batch` standardises the sequence rewards over all responses of the step (all ranks) before shaping."
+        "none",
+        description="`online_ppo`: `batch` standardises the sequence rewards over all responses of the step (all ranks) before shaping.",
     )
-    entropy_coef: float = Field(0.0, ge=0, description="`online_ppo`: entropy bonus, minus entropy_coef x the token-mean entropy in the policy loss.")
+    entropy_coef: float = Field(
+        0.0,
+        ge=0,
+        description="`online_ppo`: entropy bonus, minus entropy_coef x the token-mean entropy in the policy loss.",
+    )
     max_log_ratio: float = Field(
-        20.0, gt=0, description="Clamp log(pi / pi_old) to [-max_log_ratio, max_log_ratio] before exp in the policy "
+        20.0,
+        gt=0,
+        description="Clamp log(pi / pi_old) to [-max_log_ratio, max_log_ratio] before exp in the policy "
         "loss (past ~88 the float32 ratio is inf and the gradient NaN); clamped tokens get no gradient and are "
-        "counted in the `log_ratio_clamp_frac` metric."
+        "counted in the `log_ratio_clamp_frac` metric.",
     )
     advantage_estimator: Literal["grpo", "rloo", "reinforce_pp_baseline", "reinforce_pp"] = Field(
-        "grpo", description="`grpo` train type: `grpo` (group mean and std), `rloo` (leave-one-out group mean), "
+        "grpo",
+        description="`grpo` train type: `grpo` (group mean and std), `rloo` (leave-one-out group mean), "
         "`reinforce_pp_baseline` (group mean removed, then whitened over the step's tokens), `reinforce_pp` (k1 KL in "
-        "every token's reward, returns whitened over the step's tokens, no group baseline)."
+        "every token's reward, returns whitened over the step's tokens, no group baseline).",
     )
     importance_sampling: Literal["token", "sequence"] = Field(
-        "token", description="Policy-loss ratio: `token` (PPO, one per token) or `sequence` (GSPO: exp of the "
+        "token",
+        description="Policy-loss ratio: `token` (PPO, one per token) or `sequence` (GSPO: exp of the "
         "sequence's mean log-ratio, clipped per sequence; GSPO's paper pairs it with loss_aggregation sequence_mean "
-        "and clip ranges of ~3e-4 / 4e-4)."
+        "and clip ranges of ~3e-4 / 4e-4).",
     )
     dynamic_sampling: bool = Field(
-        False, description="`grpo`: DAPO's dynamic sampling: drop groups whose rewards are all equal (advantages 0) "
+        False,
+        description="`grpo`: DAPO's dynamic sampling: drop groups whose rewards are all equal (advantages 0) "
         "and sample more prompts until the step holds rollout.prompts_per_step informative groups (metrics "
-        "sampling_rounds, kept_groups, dropped_groups; docs/guides/rl.md)."
+        "sampling_rounds, kept_groups, dropped_groups; docs/guides/rl.md).",
     )
     max_sampling_rounds: int = Field(
-        4, ge=1, description="`rl.dynamic_sampling`: at most this many rounds of rollout.prompts_per_step prompts per "
-        "step; short of informative groups after them, the step is filled with groups of equal rewards (advantages 0)."
+        4,
+        ge=1,
+        description="`rl.dynamic_sampling`: at most this many rounds of rollout.prompts_per_step prompts per "
+        "step; short of informative groups after them, the step is filled with groups of equal rewards (advantages 0).",
     )
     overlong_penalty: OverlongPenalty | None = Field(
-        None, description="DAPO's soft length penalty added to each reward: {buffer_tokens, max_tokens, "
-        "penalty_factor} (null: off; metric overlong_penalty)."
+        None,
+        description="DAPO's soft length penalty added to each reward: {buffer_tokens, max_tokens, "
+        "penalty_factor} (null: off; metric overlong_penalty).",
     )
     mask_truncated: bool = Field(
-        False, description="Responses cut at rollout.max_new_tokens (no EOS) take no loss (DAPO's overlong "
-        "filtering); their rewards still count in their group's baseline."
+        False,
+        description="Responses cut at rollout.max_new_tokens (no EOS) take no loss (DAPO's overlong "
+        "filtering); their rewards still count in their group's baseline.",
     )
 
     def kl_placement(self, train_type: str) -> str:
@@ -415,10 +579,12 @@ class RlConfig(Section):
         return "k1" if self.kl_placement(train_type) == "reward" else "k3"
 
     @model_validator(mode="after")
-    def _clip_alias(self) -> "RlConfig":
+    def _clip_alias(self) -> RlConfig:
         if self.clip_eps is not None:
             if "clip_eps_low" in self.model_fields_set and self.clip_eps_low != self.clip_eps:
-                raise ValueError(f"give `rl.clip_eps` ({self.clip_eps}) or `rl.clip_eps_low` ({self.clip_eps_low}), not both")
+                raise ValueError(
+                    f"give `rl.clip_eps` ({self.clip_eps}) or `rl.clip_eps_low` ({self.clip_eps_low}), not both"
+                )
             self.clip_eps_low = self.clip_eps
             if self.clip_eps_high is None:
                 self.clip_eps_high = self.clip_eps
@@ -431,39 +597,72 @@ class CriticConfig(Section):
     """The value model of `online_ppo`: its own DeepSpeed engine, optimizer, schedule and clipping."""
 
     path: str | None = Field(
-        None, description="Start the critic from this folder: a critic export (`export-hf --part critic`) or any transformers model, whose "
+        None,
+        description="Start the critic from this folder: a critic export (`export-hf --part critic`) or any transformers model, whose "
         "trunk is used with a zero value head. null: the policy's starting weights (model.path or model.init with train.seed). Also lets a resume "
-        "from a checkpoint without critic/ start a new critic."
+        "from a checkpoint without critic/ start a new critic.",
     )
     lr: float | None = Field(None, gt=0, description="Critic peak learning rate (null: train.lr).")
     weight_decay: float | None = Field(None, ge=0, description="Critic AdamW weight decay (null: train.weight_decay).")
-    max_grad_norm: float | None = Field(None, gt=0, description="Clip the critic's gradient norm to this (null: train.max_grad_norm).")
-    lr_schedule: Literal["cosine", "linear", "constant"] | None = Field(None, description="Critic LR decay after warmup (null: train.lr_schedule).")
-    warmup_steps: int | None = Field(None, ge=0, description="Critic linear warmup, in steps (rollouts) as train.warmup_steps (null: the policy's warmup).")
-    zero_stage: Literal[0, 1, 2, 3] | None = Field(None, description="ZeRO stage of the critic's engine (null: the policy's).")
-    warmup_rollouts: int = Field(0, ge=0, description="Train only the critic on the first N rollouts (the policy is frozen and policy_version stays 0).")
+    max_grad_norm: float | None = Field(
+        None, gt=0, description="Clip the critic's gradient norm to this (null: train.max_grad_norm)."
+    )
+    lr_schedule: Literal["cosine", "linear", "constant"] | None = Field(
+        None, description="Critic LR decay after warmup (null: train.lr_schedule)."
+    )
+    warmup_steps: int | None = Field(
+        None,
+        ge=0,
+        description="Critic linear warmup, in steps (rollouts) as train.warmup_steps (null: the policy's warmup).",
+    )
+    zero_stage: Literal[0, 1, 2, 3] | None = Field(
+        None, description="ZeRO stage of the critic's engine (null: the policy's)."
+    )
+    warmup_rollouts: int = Field(
+        0,
+        ge=0,
+        description="Train only the critic on the first N rollouts (the policy is frozen and policy_version stays 0).",
+    )
 
 
 class RewardComponent(Section):
-    function: str | None = Field(None, description="A Python callable 'package.module:function' returning one float per response (arguments: docs/guides/rl.md).")
-    model_path: str | None = Field(None, description="Local AutoModelForSequenceClassification folder (one output) scoring prompt + response.")
-    url: str | None = Field(None, description="HTTP service: POST JSON prompts/responses/rows, answer {\"rewards\": [...]}.")
-    name: str | None = Field(None, description="Name in errors and metrics (default: the function's name, the model folder's name or the URL).")
+    function: str | None = Field(
+        None,
+        description="A Python callable 'package.module:function' returning one float per response (arguments: docs/guides/rl.md).",
+    )
+    model_path: str | None = Field(
+        None, description="Local AutoModelForSequenceClassification folder (one output) scoring prompt + response."
+    )
+    url: str | None = Field(
+        None, description='HTTP service: POST JSON prompts/responses/rows, answer {"rewards": [...]}.'
+    )
+    name: str | None = Field(
+        None,
+        description="Name in errors and metrics (default: the function's name, the model folder's name or the URL).",
+    )
     weight: float = Field(1.0, description="Multiplier of this reward in the weighted sum.")
-    timeout_s: float = Field(30.0, gt=0, description="`url`: seconds one attempt may take in all: connect, send, and read the whole answer.")
-    retries: int = Field(2, ge=0, description="`url`: further attempts after a failed one (connection error, timeout, HTTP 408/429/5xx).")
-    retry_backoff_s: float = Field(1.0, ge=0, description="`url`: wait before the first retry, doubled before each next one.")
+    timeout_s: float = Field(
+        30.0, gt=0, description="`url`: seconds one attempt may take in all: connect, send, and read the whole answer."
+    )
+    retries: int = Field(
+        2, ge=0, description="`url`: further attempts after a failed one (connection error, timeout, HTTP 408/429/5xx)."
+    )
+    retry_backoff_s: float = Field(
+        1.0, ge=0, description="`url`: wait before the first retry, doubled before each next one."
+    )
     batch_size: int = Field(8, ge=1, description="`model_path`: responses per reward-model forward.")
-    max_response_bytes: int = Field(16 * 2**20, ge=1, description="`url`: largest answer accepted, in bytes; a larger one is an error.")
+    max_response_bytes: int = Field(
+        16 * 2**20, ge=1, description="`url`: largest answer accepted, in bytes; a larger one is an error."
+    )
 
     @model_validator(mode="after")
-    def _one_source(self) -> "RewardComponent":
+    def _one_source(self) -> RewardComponent:
         if sum(value is not None for value in (self.function, self.model_path, self.url)) != 1:
             raise ValueError("give exactly one of `function`, `model_path` or `url`")
         return self
 
     @model_validator(mode="after")
-    def _http_url(self) -> "RewardComponent":
+    def _http_url(self) -> RewardComponent:
         if self.url is not None:
             parts = urlsplit(self.url)
             if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -474,39 +673,75 @@ class RewardComponent(Section):
 class RewardConfig(RewardComponent):
     """The reward of the online train types: one source, or `components` summed with their weights."""
 
-    components: list[RewardComponent] | None = Field(None, description="Several rewards, each {function | model_path | url, weight, ...}; the reward is their weighted sum.")
+    components: list[RewardComponent] | None = Field(
+        None,
+        description="Several rewards, each {function | model_path | url, weight, ...}; the reward is their weighted sum.",
+    )
 
     @model_validator(mode="after")
-    def _one_source(self) -> "RewardConfig":
+    def _one_source(self) -> RewardConfig:
         if sum(value is not None for value in (self.function, self.model_path, self.url, self.components)) != 1:
-            raise ValueError("give exactly one of `reward.function`, `reward.model_path`, `reward.url` or `reward.components`")
+            raise ValueError(
+                "give exactly one of `reward.function`, `reward.model_path`, `reward.url` or `reward.components`"
+            )
         return self
 
 
 class JobConfig(Section):
-    output_dir: str = Field(..., description="Everything the run writes: checkpoints, metrics.jsonl, job.yaml, tokenizer, caches.")
+    output_dir: str = Field(
+        ..., description="Everything the run writes: checkpoints, metrics.jsonl, job.yaml, tokenizer, caches."
+    )
     model: ModelConfig = Field(..., description="The policy: a local transformers causal LM or an architecture block.")
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig, description="Where the tokenizer comes from.")
-    data: DataConfig = Field(..., description="Training data (local files through `datasets`) and how rows become tokens.")
+    data: DataConfig = Field(
+        ..., description="Training data (local files through `datasets`) and how rows become tokens."
+    )
     train: TrainConfig = Field(..., description="The train type and its optimisation hyperparameters.")
-    deepspeed: DeepSpeedSection = Field(default_factory=DeepSpeedSection, description="DeepSpeed: a template from `ds_configs/` plus job overrides.")
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Crash-safe checkpoints: cadence, retention, resume, verification.")
-    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig, description="Per-job process settings: environment, timeouts, logging.")
-    infra: InfraConfig = Field(default_factory=InfraConfig, description="Host side (containers, GPUs, nodes), read by the wrappers; the trainer ignores it. Extra keys allowed.")
+    deepspeed: DeepSpeedSection = Field(
+        default_factory=DeepSpeedSection, description="DeepSpeed: a template from `ds_configs/` plus job overrides."
+    )
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig,
+        description="Crash-safe checkpoints: cadence, retention, resume, verification.",
+    )
+    runtime: RuntimeConfig = Field(
+        default_factory=RuntimeConfig, description="Per-job process settings: environment, timeouts, logging."
+    )
+    infra: InfraConfig = Field(
+        default_factory=InfraConfig,
+        description="Host side (containers, GPUs, nodes), read by the wrappers; the trainer ignores it. Extra keys allowed.",
+    )
     export: ExportConfig = Field(default_factory=ExportConfig, description="Hugging Face export of the final policy.")
     dpo: DpoConfig = Field(default_factory=DpoConfig, description="Preference optimisation (`train_type: dpo`).")
-    serve: ServeConfig = Field(default_factory=ServeConfig, description="Serving an export with an OpenAI-compatible engine (`scripts/serve.sh`).")
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Sampling of the online train types (`grpo`, `online_ppo`): prompts per step, group size, sampler.")
-    rl: RlConfig = Field(default_factory=RlConfig, description="Policy optimisation of the online train types: replay epochs, minibatches, clipping, KL, advantages.")
-    reward: RewardConfig | None = Field(None, description="Reward of the online train types: a function, a reward model, an HTTP service, or weighted components.")
-    critic: CriticConfig = Field(default_factory=CriticConfig, description="The value model of `online_ppo`: starting weights, optimizer, clipping, ZeRO stage, warmup.")
+    serve: ServeConfig = Field(
+        default_factory=ServeConfig,
+        description="Serving an export with an OpenAI-compatible engine (`scripts/serve.sh`).",
+    )
+    rollout: RolloutConfig = Field(
+        default_factory=RolloutConfig,
+        description="Sampling of the online train types (`grpo`, `online_ppo`): prompts per step, group size, sampler.",
+    )
+    rl: RlConfig = Field(
+        default_factory=RlConfig,
+        description="Policy optimisation of the online train types: replay epochs, minibatches, clipping, KL, advantages.",
+    )
+    reward: RewardConfig | None = Field(
+        None,
+        description="Reward of the online train types: a function, a reward model, an HTTP service, or weighted components.",
+    )
+    critic: CriticConfig = Field(
+        default_factory=CriticConfig,
+        description="The value model of `online_ppo`: starting weights, optimizer, clipping, ZeRO stage, warmup.",
+    )
 
     @model_validator(mode="after")
-    def _online_sections(self) -> "JobConfig":
+    def _online_sections(self) -> JobConfig:
         if self.train.train_type not in ("grpo", "online_ppo"):
             return self
         if self.reward is None:
-            raise ValueError(f"`train.train_type: {self.train.train_type}` needs a `reward` section (function, model_path, url or components)")
+            raise ValueError(
+                f"`train.train_type: {self.train.train_type}` needs a `reward` section (function, model_path, url or components)"
+            )
         if self.train.max_steps is None:
             raise ValueError("online train types count steps in rollouts: give `train.max_steps` (not `train.epochs`)")
         estimator = self.rl.advantage_estimator
@@ -516,7 +751,9 @@ class JobConfig(Section):
                 f"with `rl.advantage_estimator: {estimator}` (only reinforce_pp has no group baseline)"
             )
         if self.train.train_type == "online_ppo" and self.critic.warmup_rollouts >= self.train.max_steps:
-            raise ValueError(f"`critic.warmup_rollouts` ({self.critic.warmup_rollouts}) leaves no step of `train.max_steps` ({self.train.max_steps}) to train the policy")
+            raise ValueError(
+                f"`critic.warmup_rollouts` ({self.critic.warmup_rollouts}) leaves no step of `train.max_steps` ({self.train.max_steps}) to train the policy"
+            )
         return self
 
     @field_validator("output_dir")
@@ -527,7 +764,7 @@ class JobConfig(Section):
         return value
 
     @model_validator(mode="after")
-    def _rl_combinations(self) -> "JobConfig":
+    def _rl_combinations(self) -> JobConfig:
         """RL options that cannot work together, named before any rank starts (docs/guides/rl.md)."""
         train_type, rl = self.train.train_type, self.rl
         if train_type not in ("grpo", "online_ppo"):
@@ -551,13 +788,13 @@ class JobConfig(Section):
         return self
 
     @model_validator(mode="after")
-    def _export_destination(self) -> "JobConfig":
+    def _export_destination(self) -> JobConfig:
         if not self.export.hf_dir:
             self.export.hf_dir = str(Path(self.output_dir) / "hf")
         return self
 
     @model_validator(mode="after")
-    def _tokenizer_source(self) -> "JobConfig":
+    def _tokenizer_source(self) -> JobConfig:
         if self.tokenizer.path is None and self.tokenizer.build is None and self.model.path is None:
             raise ValueError("a model built from `model.init` needs `tokenizer.path` or `tokenizer.build`")
         return self

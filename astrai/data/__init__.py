@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 import datasets
 
@@ -37,12 +37,16 @@ def tokenize_rows(rows: Rows, function: Callable, *, num_proc: int, description:
         raise
 
 
-def render_rows(rows: Rows, batch_function: Callable, *, tokenizer, data, description: str) -> tuple[datasets.Dataset, int]:
+def render_rows(
+    rows: Rows, batch_function: Callable, *, tokenizer, data, description: str
+) -> tuple[datasets.Dataset, int]:
     """Render rows with a `*_batch` function of `astrai.data.render` / `astrai.rollout.prompts`, which flags
     the rows it cannot use in a `bad` column; drop those. Returns (dataset, rows skipped). `data` is the
     job's `data:` section: with `on_bad_row: skip` bad rows are counted, otherwise the first one stops
     the job with its file and row named."""
-    function = partial(batch_function, tokenizer=tokenizer, fields=data, max_len=data.max_seq_len, skip_bad=data.on_bad_row == "skip")
+    function = partial(
+        batch_function, tokenizer=tokenizer, fields=data, max_len=data.max_seq_len, skip_bad=data.on_bad_row == "skip"
+    )
     dataset = tokenize_rows(rows, function, num_proc=data.num_proc, description=description)
     skipped = sum(dataset["bad"])
     return dataset.filter(lambda row: not row["bad"]).remove_columns("bad"), skipped

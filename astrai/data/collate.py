@@ -7,7 +7,9 @@ import torch
 
 def pad_right(sequences: list[list[int]], value: int) -> torch.Tensor:
     longest = max(len(sequence) for sequence in sequences)
-    return torch.tensor([list(sequence) + [value] * (longest - len(sequence)) for sequence in sequences], dtype=torch.long)
+    return torch.tensor(
+        [list(sequence) + [value] * (longest - len(sequence)) for sequence in sequences], dtype=torch.long
+    )
 
 
 def collate_token_rows(rows: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:

@@ -26,13 +26,22 @@ def row_messages(row: dict, index: int, fields) -> list[dict]:
     if messages is None:
         prompt, response = row.get(fields.prompt_field), row.get(fields.response_field)
         if not isinstance(prompt, str) or not isinstance(response, str):
-            raise RowError(index, f"needs a {fields.messages_field!r} list or string {fields.prompt_field!r} and {fields.response_field!r} fields")
+            raise RowError(
+                index,
+                f"needs a {fields.messages_field!r} list or string {fields.prompt_field!r} and {fields.response_field!r} fields",
+            )
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
     if not isinstance(messages, list) or not messages:
         raise RowError(index, f"{fields.messages_field!r} must be a non-empty list")
     for position, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ROLES or not isinstance(message.get("content"), str):
-            raise RowError(index, f"message {position} must be {{role: system|user|assistant, content: string}}, got {message!r}")
+        if (
+            not isinstance(message, dict)
+            or message.get("role") not in ROLES
+            or not isinstance(message.get("content"), str)
+        ):
+            raise RowError(
+                index, f"message {position} must be {{role: system|user|assistant, content: string}}, got {message!r}"
+            )
     if not any(m["role"] == "assistant" for m in messages):
         raise RowError(index, "no assistant message to train on")
     return [{"role": m["role"], "content": m["content"]} for m in messages]
@@ -43,7 +52,9 @@ def _render_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_ge
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def chat_ids_and_mask(tokenizer: PreTrainedTokenizerBase, messages: list[dict], last_turn_only: bool = False) -> tuple[list[int], list[int]]:
+def chat_ids_and_mask(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict], last_turn_only: bool = False
+) -> tuple[list[int], list[int]]:
     """Ids of the whole chat and a mask that is 1 on assistant tokens only (the last turn's only,
     when `last_turn_only`: preference pairs train the completion, not the context).
 
@@ -59,12 +70,16 @@ def chat_ids_and_mask(tokenizer: PreTrainedTokenizerBase, messages: list[dict], 
         start = len(_render_ids(tokenizer, messages[:turn], add_generation_prompt=True))
         end = len(_render_ids(tokenizer, messages[: turn + 1], add_generation_prompt=False))
         if ids[:end] != _render_ids(tokenizer, messages[: turn + 1], add_generation_prompt=False)[:end] or start > end:
-            raise ValueError("the chat template does not render conversations as prefixes of each other; cannot mask prompts")
+            raise ValueError(
+                "the chat template does not render conversations as prefixes of each other; cannot mask prompts"
+            )
         mask[start:end] = [1] * (end - start)
     return ids, mask
 
 
-def sft_batch(batch: dict[str, list], indices: list[int], *, tokenizer, fields, max_len: int, skip_bad: bool) -> dict[str, list[Any]]:
+def sft_batch(
+    batch: dict[str, list], indices: list[int], *, tokenizer, fields, max_len: int, skip_bad: bool
+) -> dict[str, list[Any]]:
     """`datasets.map` function: chat rows -> input_ids, loss_mask (prompt tokens masked), bad flag."""
     rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
     out: dict[str, list[Any]] = {"input_ids": [], "loss_mask": [], "bad": []}
@@ -84,7 +99,9 @@ def sft_batch(batch: dict[str, list], indices: list[int], *, tokenizer, fields, 
     return out
 
 
-def pack_batch(batch: dict[str, list], indices: list[int], *, tokenizer, field: str, block_len: int) -> dict[str, list[Any]]:
+def pack_batch(
+    batch: dict[str, list], indices: list[int], *, tokenizer, field: str, block_len: int
+) -> dict[str, list[Any]]:
     """`datasets.map` function: texts -> EOS-separated stream -> fixed blocks of `block_len` tokens.
 
     The tail of each map batch that does not fill a block is dropped (as in most pre-training
@@ -106,7 +123,12 @@ def is_text_row(row: dict, field: str) -> bool:
 
 def _completion(value, index: int, name: str) -> str:
     """A completion is a string or a one-message assistant list (the conversational format)."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict) and value[0].get("role") == "assistant":
+    if (
+        isinstance(value, list)
+        and len(value) == 1
+        and isinstance(value[0], dict)
+        and value[0].get("role") == "assistant"
+    ):
         value = value[0].get("content")
     if not isinstance(value, str):
         raise RowError(index, f"{name!r} must be a string (or a one-message assistant list), got {value!r}")
@@ -124,15 +146,29 @@ def prompt_messages(row: dict, index: int, fields) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise RowError(index, f"{fields.messages_field!r} must be a non-empty list")
     for position, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ROLES or not isinstance(message.get("content"), str):
-            raise RowError(index, f"message {position} must be {{role: system|user|assistant, content: string}}, got {message!r}")
+        if (
+            not isinstance(message, dict)
+            or message.get("role") not in ROLES
+            or not isinstance(message.get("content"), str)
+        ):
+            raise RowError(
+                index, f"message {position} must be {{role: system|user|assistant, content: string}}, got {message!r}"
+            )
     return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
-def preference_batch(batch: dict[str, list], indices: list[int], *, tokenizer, fields, max_len: int, skip_bad: bool) -> dict[str, list[Any]]:
+def preference_batch(
+    batch: dict[str, list], indices: list[int], *, tokenizer, fields, max_len: int, skip_bad: bool
+) -> dict[str, list[Any]]:
     """`datasets.map` function: (prompt, chosen, rejected) rows -> ids and completion masks of both."""
     rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
-    out: dict[str, list[Any]] = {"chosen_ids": [], "chosen_mask": [], "rejected_ids": [], "rejected_mask": [], "bad": []}
+    out: dict[str, list[Any]] = {
+        "chosen_ids": [],
+        "chosen_mask": [],
+        "rejected_ids": [],
+        "rejected_mask": [],
+        "bad": [],
+    }
     for row, index in zip(rows, indices):
         try:
             context = prompt_messages(row, index, fields)

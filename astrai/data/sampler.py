@@ -14,7 +14,9 @@ import torch
 
 
 class ShardedOrder:
-    def __init__(self, num_samples: int, micro_batch_size: int, world_size: int, rank: int, seed: int, shuffle: bool = True):
+    def __init__(
+        self, num_samples: int, micro_batch_size: int, world_size: int, rank: int, seed: int, shuffle: bool = True
+    ):
         self.num_samples = num_samples
         self.micro_batch_size = micro_batch_size
         self.world_size = world_size
@@ -42,7 +44,9 @@ class ShardedOrder:
     def micro_batches(self, consumed_samples: int = 0) -> Iterator[list[int]]:
         """This rank's sample indices for every global micro-step from `consumed_samples` on, forever."""
         if consumed_samples % self.samples_per_micro_step:
-            raise ValueError(f"consumed_samples {consumed_samples} is not a multiple of the global micro-batch {self.samples_per_micro_step}")
+            raise ValueError(
+                f"consumed_samples {consumed_samples} is not a multiple of the global micro-batch {self.samples_per_micro_step}"
+            )
         epoch, position = divmod(consumed_samples, self.samples_per_epoch)
         while True:
             order = self.epoch_order(epoch)

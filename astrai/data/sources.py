@@ -121,7 +121,11 @@ def utf8_rows_of(file: Path, cache_dir: Path, skip_bad: bool) -> Path:
         os.replace(temporary, copy)
     logger.warning(
         "%s: skipped %d rows that are not valid UTF-8 (data.on_bad_row: skip), the first row %d (line %d): %s",
-        file, len(bad), row, number, reason,
+        file,
+        len(bad),
+        row,
+        number,
+        reason,
     )
     return copy
 
@@ -132,7 +136,11 @@ def mixed_type_columns(features, prefix: str = "") -> list[str]:
     if isinstance(features, datasets.Json):
         return [prefix]
     if isinstance(features, dict):
-        return [name for key, feature in features.items() for name in mixed_type_columns(feature, f"{prefix}.{key}" if prefix else key)]
+        return [
+            name
+            for key, feature in features.items()
+            for name in mixed_type_columns(feature, f"{prefix}.{key}" if prefix else key)
+        ]
     inner = getattr(features, "feature", None)  # List, LargeList, Sequence
     return mixed_type_columns(inner, f"{prefix}[]") if inner is not None else []
 

@@ -76,7 +76,9 @@ def setup_distributed(timeout_s: float) -> DistInfo:
         _init_single_rank(backend, timeout_s)
     try:
         # With the group already made (one rank), DeepSpeed only adopts it.
-        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timedelta(seconds=timeout_s), verbose=False)
+        deepspeed.init_distributed(
+            dist_backend=backend, auto_mpi_discovery=False, timeout=timedelta(seconds=timeout_s), verbose=False
+        )
     except RuntimeError as error:  # torch's DistNetworkError is one
         if not _port_in_use(error):
             raise
@@ -158,7 +160,9 @@ def _bound_deepspeed_world_group(timeout_s: float) -> None:
     import deepspeed.utils.groups as ds_groups
 
     if ds_groups._WORLD_GROUP is None:
-        ds_groups._WORLD_GROUP = dist.new_group(ranks=list(range(dist.get_world_size())), timeout=timedelta(seconds=timeout_s))
+        ds_groups._WORLD_GROUP = dist.new_group(
+            ranks=list(range(dist.get_world_size())), timeout=timedelta(seconds=timeout_s)
+        )
 
 
 class CollectiveStalledError(AstraiError, RuntimeError):
@@ -173,12 +177,13 @@ def shutdown_distributed() -> None:
     ds_groups._WORLD_GROUP = None  # destroyed with the rest; a later setup makes a new one
 
 
-
 def set_log_format(rank: int, level: str) -> None:
     """Every line says its rank; ranks other than 0 log warnings and errors only, unless DEBUG."""
     chosen = getattr(logging, level.upper(), logging.INFO)
     if rank != 0 and chosen > logging.DEBUG:
         chosen = max(chosen, logging.WARNING)
-    logging.basicConfig(level=chosen, format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    logging.basicConfig(
+        level=chosen, format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s", force=True
+    )
     # DeepSpeed's own logger is chatty at INFO on every rank.
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)

@@ -6,8 +6,9 @@ import copy
 import json
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -19,7 +20,9 @@ logger = logging.getLogger("astrai.engine")
 OBJECT_SECTIONS = ("zero_optimization", "bf16", "fp16", "optimizer", "scheduler", "activation_checkpointing")
 # DeepSpeed's pydantic models, by the config key they parse (for error messages naming the key).
 SECTION_OF_MODEL = {
-    "DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedBF16Config": "bf16", "DeepSpeedFP16Config": "fp16",
+    "DeepSpeedZeroConfig": "zero_optimization",
+    "DeepSpeedBF16Config": "bf16",
+    "DeepSpeedFP16Config": "fp16",
     "DeepSpeedZeroOffloadOptimizerConfig": "zero_optimization.offload_optimizer",
     "DeepSpeedZeroOffloadParamConfig": "zero_optimization.offload_param",
 }
@@ -80,16 +83,20 @@ def effective_zero_stage(requested: int, world_size: int, offloaded: bool, keep:
     """ZeRO-1/2 on a single rank partition over one process: all cost, no memory saved. Run
     stage 0 there unless offload needs ZeRO or the job keeps the stage (`deepspeed.single_rank_stage0: false`)."""
     if world_size == 1 and requested in (1, 2) and not offloaded and not keep:
-        logger.info("one rank: ZeRO-%d partitions nothing here, running ZeRO-0 (set deepspeed.single_rank_stage0: false to keep it)", requested)
+        logger.info(
+            "one rank: ZeRO-%d partitions nothing here, running ZeRO-0 (set deepspeed.single_rank_stage0: false to keep it)",
+            requested,
+        )
         return 0
     return requested
-
 
 
 def deep_merge(base: dict, extra: dict) -> dict:
     merged = copy.deepcopy(base)
     for key, value in extra.items():
-        merged[key] = deep_merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        merged[key] = (
+            deep_merge(merged[key], value) if isinstance(value, dict) and isinstance(merged.get(key), dict) else value
+        )
     return merged
 
 
@@ -137,7 +144,9 @@ def build_ds_config(
     offloaded = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
     if world_size is not None:
         any_offload = offloaded or zero.get("offload_param", {}).get("device", "none") not in ("none", None)
-        zero["stage"] = effective_zero_stage(zero["stage"], world_size, any_offload, keep=not section.single_rank_stage0)
+        zero["stage"] = effective_zero_stage(
+            zero["stage"], world_size, any_offload, keep=not section.single_rank_stage0
+        )
     implementation = section.optimizer
     if implementation == "auto":
         implementation = "cpu_adam" if offloaded else ("fused" if torch.cuda.is_available() else "torch")
@@ -179,5 +188,3 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
             shape = getattr(parameter, "ds_shape", parameter.shape)
             (decay if len(shape) >= 2 else no_decay).append(parameter)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-

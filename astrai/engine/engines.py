@@ -6,14 +6,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from astrai.engine.distributed import CollectiveStalledError
 from astrai.checkpoint import CheckpointError
+from astrai.engine.distributed import CollectiveStalledError
 from astrai.engine.ds_config import parameter_groups
 from astrai.engine.safe_load import load_tensor_file, trusted_loads, weights_only_torch_load
 from astrai.engine.streamed_writes import OpenFile, streamed_writes
@@ -42,7 +42,9 @@ class Engine:
         from deepspeed.runtime.utils import clip_grad_norm_
 
         engine = self._engine
-        norm = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(), mpu=engine.mpu)
+        norm = clip_grad_norm_(
+            parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(), mpu=engine.mpu
+        )
         self._stage0_grad_norm = float(norm)
 
     @property
@@ -72,7 +74,11 @@ class Engine:
 
     def step(self) -> None:
         """Call after every micro-batch; DeepSpeed updates on the accumulation boundary."""
-        if self.zero_stage == 0 and not self._engine.gradient_clipping() > 0 and self._engine.is_gradient_accumulation_boundary():
+        if (
+            self.zero_stage == 0
+            and not self._engine.gradient_clipping() > 0
+            and self._engine.is_gradient_accumulation_boundary()
+        ):
             # No clipping, so DeepSpeed computes no norm: take it from the reduced gradients.
             gradients = [p.grad for p in self.module.parameters() if p.grad is not None]
             self._stage0_grad_norm = float(torch.nn.utils.get_total_norm(gradients)) if gradients else None
@@ -148,7 +154,9 @@ class Engine:
         optimizer = self._engine.optimizer
         names = {id(parameter): name for name, parameter in self.module.named_parameters()}
         # bf16/fp16 ZeRO-0 wraps the torch optimizer (its groups hold fp32 copies); `fp16_groups` are the module's.
-        groups = getattr(optimizer, "fp16_groups", None) or [group["params"] for group in getattr(optimizer, "param_groups", None) or []]
+        groups = getattr(optimizer, "fp16_groups", None) or [
+            group["params"] for group in getattr(optimizer, "param_groups", None) or []
+        ]
         if not groups or not all(id(parameter) in names for group in groups for parameter in group):
             return None
         return [[names[id(parameter)] for parameter in group] for group in groups]
@@ -192,7 +200,9 @@ class Engine:
         named = {name: parameter for name, parameter in self.module.named_parameters() if parameter.requires_grad}
         missing, unknown = sorted(set(named) - set(source.names)), sorted(set(source.names) - set(named))
         if missing or unknown:
-            raise ValueError(f"the checkpoint's parameters differ from the model's: missing {missing[:5]}, unknown {unknown[:5]}")
+            raise ValueError(
+                f"the checkpoint's parameters differ from the model's: missing {missing[:5]}, unknown {unknown[:5]}"
+            )
         from astrai.portable import fill_flat_partitions, fill_plain, fill_wrapped, fill_zero3
 
         optimizer, step = self._engine.optimizer, source.info.optimizer_step
@@ -202,7 +212,9 @@ class Engine:
             fill_flat_partitions(optimizer, named, source, step)
         elif hasattr(optimizer, "fp16_groups"):  # ZeRO-0 in bf16/fp16: DeepSpeed's FP16_Optimizer
             fill_wrapped(optimizer, named, source, step)
-        elif isinstance(optimizer, torch.optim.Optimizer):  # ZeRO-0 in fp32: the optimizer holds the module's parameters
+        elif isinstance(
+            optimizer, torch.optim.Optimizer
+        ):  # ZeRO-0 in fp32: the optimizer holds the module's parameters
             fill_plain(optimizer, named, source, step)
         else:
             raise ValueError(f"cannot load a full state into a {type(optimizer).__name__} (ZeRO-{self.zero_stage})")
@@ -273,7 +285,9 @@ class Engine:
                     f"within runtime.dist_timeout_s: another rank died, hung, or is still busy elsewhere ({type(error).__name__}: {error})"
                 ) from error
         if targets:
-            raise RuntimeError(f"generation copy: parameters {sorted(targets)[:3]} have no counterpart in the engine's module")
+            raise RuntimeError(
+                f"generation copy: parameters {sorted(targets)[:3]} have no counterpart in the engine's module"
+            )
         plain_buffers = dict(plain.named_buffers())
         for name, buffer in module.named_buffers():  # not partitioned by ZeRO-3 (e.g. rotary frequencies)
             plain_buffers[name].copy_(buffer)
@@ -306,6 +320,8 @@ def check_shapes(source, recorded: dict[str, tuple], module: torch.nn.Module, *,
             f"unknown {unknown[:5]} "
             "(model.init / model.path differ from the run that saved it)"
         )
+
+
 @contextlib.contextmanager
 def _silenced_steps(objects: list):
     """`step` of each object (torch optimizers, an LR scheduler) does nothing inside the block; the
@@ -341,7 +357,9 @@ def consolidated_state_dict(engine_folder: str | Path) -> dict[str, torch.Tensor
         return get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=tag)
 
 
-def make_engine(model: torch.nn.Module, ds_config: dict, *, weight_decay: float, schedule: Callable[[int], float]) -> Engine:
+def make_engine(
+    model: torch.nn.Module, ds_config: dict, *, weight_decay: float, schedule: Callable[[int], float]
+) -> Engine:
     """Wrap one model in its own engine, optimizer (from `ds_config`) and LR schedule."""
     import deepspeed
 
@@ -405,13 +423,13 @@ def zero3_loading(ds_config: dict, enabled: bool):
     from transformers.integrations import HfDeepSpeedConfig
 
     config = copy.deepcopy(ds_config)
-    config["train_batch_size"] = config["train_micro_batch_size_per_gpu"] * config["gradient_accumulation_steps"] * max(
-        1, dist.get_world_size() if dist.is_initialized() else 1
+    config["train_batch_size"] = (
+        config["train_micro_batch_size_per_gpu"]
+        * config["gradient_accumulation_steps"]
+        * max(1, dist.get_world_size() if dist.is_initialized() else 1)
     )
     keep_alive = HfDeepSpeedConfig(config)  # transformers reads it through a weak reference
     try:
         yield
     finally:
         del keep_alive
-
-

@@ -30,7 +30,10 @@ TRIM_THRESHOLD_BYTES = 2**30  # free memory kept at the heap top before it is re
 USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "GLIBC_TUNABLES")
 # The same thresholds as glibc reads them from the environment at start, for a process AstrAI does not run
 # (benchmarks/trainer_overhead.py gives them to the plain loops it compares against).
-MALLOC_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES), "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD_BYTES)}
+MALLOC_ENVIRONMENT = {
+    "MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD_BYTES),
+    "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD_BYTES),
+}
 OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 
 
@@ -41,9 +44,15 @@ def tune_malloc(environ: dict[str, str] | None = None) -> bool:
     reason = _reason_to_leave(environ)
     if reason is None:
         libc = ctypes.CDLL(None)  # this process's own C library
-        if libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1:
-            logger.info("host malloc: blocks up to %d MiB from the heap, up to %d MiB kept free at its top (runtime.tune_malloc)",
-                        MMAP_THRESHOLD_BYTES >> 20, TRIM_THRESHOLD_BYTES >> 20)
+        if (
+            libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+            and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
+        ):
+            logger.info(
+                "host malloc: blocks up to %d MiB from the heap, up to %d MiB kept free at its top (runtime.tune_malloc)",
+                MMAP_THRESHOLD_BYTES >> 20,
+                TRIM_THRESHOLD_BYTES >> 20,
+            )
             return True
         reason = "mallopt refused the values"
     logger.info("host malloc left as it is: %s", reason)

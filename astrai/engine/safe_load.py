@@ -27,8 +27,8 @@ import importlib
 import io
 import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-from typing import BinaryIO, Callable
+from collections.abc import Callable
+from typing import BinaryIO
 
 import torch
 

@@ -63,8 +63,9 @@ def build_policy(model_config, tokenizer: PreTrainedTokenizerBase, seed: int) ->
         name = type(model).__name__
         raise ModelError(f"model.router_aux_loss_coef: {name} has no mixture-of-experts router (use null or 0)")
     if coefficient > 0:
-        logger.info("router load-balancing loss: %g x aux_loss added to the loss (model.router_aux_loss_coef)",
-                    coefficient)
+        logger.info(
+            "router load-balancing loss: %g x aux_loss added to the loss (model.router_aux_loss_coef)", coefficient
+        )
     if model_config.disable_dropout:
         changed = disable_dropout(model)
         logger.info("model.disable_dropout: %d dropout probabilities of %s set to 0", changed, type(model).__name__)
@@ -168,8 +169,14 @@ def check_model_config(model_config) -> str | None:
 
 def _architecture_problem(config, where: str) -> str | None:
     """Shapes a config accepts but a model cannot be built (or run) with, for any architecture that names them."""
-    names = ("hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "intermediate_size",
-             "vocab_size")
+    names = (
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "num_hidden_layers",
+        "intermediate_size",
+        "vocab_size",
+    )
     sizes = {name: getattr(config, name, None) for name in names}
     for name, value in sizes.items():
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -192,7 +199,9 @@ def embedding_rows(model) -> int:
 def load_causal_lm(path: str | Path, **kwargs) -> PreTrainedModel:
     """A causal LM from a local folder only (never a hub download)."""
     if not Path(path).is_dir():
-        raise ModelError(f"model.path: {str(path)!r} is not a local folder (AstrAI never downloads from a hub at run time)")
+        raise ModelError(
+            f"model.path: {str(path)!r} is not a local folder (AstrAI never downloads from a hub at run time)"
+        )
     try:
         return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, local_files_only=True, **kwargs)
     except SafetensorError as error:

@@ -47,13 +47,19 @@ def build_tokenizer(kind: str, texts: Iterable[str], vocab_size: int = 512) -> P
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         backend.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+            vocab_size=vocab_size,
+            special_tokens=SPECIAL_TOKENS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
         )
         backend.train_from_iterator(texts, trainer=trainer)
     else:
         raise TokenizerError(f"tokenizer.build.kind: unknown kind {kind!r} (use char or bpe)")
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<|pad|>", eos_token="<|im_end|>", additional_special_tokens=["<|endoftext|>", "<|im_start|>"]
+        tokenizer_object=backend,
+        pad_token="<|pad|>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|endoftext|>", "<|im_start|>"],
     )
     tokenizer.chat_template = CHATML_TEMPLATE
     return tokenizer
@@ -62,7 +68,9 @@ def build_tokenizer(kind: str, texts: Iterable[str], vocab_size: int = 512) -> P
 def load_tokenizer(path: str, chat_template: str | None = None) -> PreTrainedTokenizerBase:
     """A tokenizer from a local folder; hub names are refused offline with a clear message."""
     if not Path(path).is_dir():
-        raise TokenizerError(f"tokenizer: {path!r} is not a local folder (AstrAI never downloads from a hub at run time)")
+        raise TokenizerError(
+            f"tokenizer: {path!r} is not a local folder (AstrAI never downloads from a hub at run time)"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as error:
@@ -126,8 +134,10 @@ def tokenizer_difference(current: PreTrainedTokenizerBase, saved: PreTrainedToke
     if current_vocab != saved_vocab:
         changed = sorted(set(current_vocab.items()) ^ set(saved_vocab.items()), key=lambda item: item[1])
         token = changed[0][0]
-        return (f"vocabulary differs ({len(saved_vocab)} -> {len(current_vocab)} tokens; e.g. {token!r}: id "
-                f"{saved_vocab.get(token)} -> {current_vocab.get(token)})")
+        return (
+            f"vocabulary differs ({len(saved_vocab)} -> {len(current_vocab)} tokens; e.g. {token!r}: id "
+            f"{saved_vocab.get(token)} -> {current_vocab.get(token)})"
+        )
     if _pipeline(current) != _pipeline(saved):
         return "tokenization rules differ (normalizer, pre-tokenizer or merges)"
     for name in ("bos_token", "eos_token", "pad_token", "unk_token"):

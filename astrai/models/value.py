@@ -39,7 +39,9 @@ def trunk_of(causal_lm: nn.Module) -> nn.Module:
     """The transformer trunk of a transformers causal LM (`model.model` for Llama), without its lm_head."""
     trunk = getattr(causal_lm, "base_model", causal_lm)
     if trunk is causal_lm:
-        raise ValueError(f"{type(causal_lm).__name__} exposes no base model (base_model_prefix) to use as the critic's trunk")
+        raise ValueError(
+            f"{type(causal_lm).__name__} exposes no base model (base_model_prefix) to use as the critic's trunk"
+        )
     return trunk
 
 
@@ -65,9 +67,16 @@ class ValueModel(nn.Module):
     def config(self):
         return self.trunk.config
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """input_ids, attention_mask, position_ids: [batch, seq_len]. Returns values [batch, seq_len] float32."""
-        hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).last_hidden_state
+        hidden = self.trunk(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()
 
     def tie_weights(self) -> None:
@@ -79,9 +88,14 @@ class ValueModel(nn.Module):
 
         folder = Path(folder)
         self.trunk.save_pretrained(folder, max_shard_size=max_shard_size)
-        head = {"weight": self.value_head.weight.detach().contiguous(), "bias": self.value_head.bias.detach().contiguous()}
+        head = {
+            "weight": self.value_head.weight.detach().contiguous(),
+            "bias": self.value_head.bias.detach().contiguous(),
+        }
         save_file(head, str(folder / HEAD_WEIGHTS))
-        (folder / HEAD_INFO).write_text(json.dumps({**HEAD_FORMAT, "hidden_size": hidden_size(self.config)}, indent=1) + "\n")
+        (folder / HEAD_INFO).write_text(
+            json.dumps({**HEAD_FORMAT, "hidden_size": hidden_size(self.config)}, indent=1) + "\n"
+        )
 
 
 def load_value_model(folder: str | Path, **kwargs) -> ValueModel:
@@ -94,7 +108,9 @@ def load_value_model(folder: str | Path, **kwargs) -> ValueModel:
 
     folder = Path(folder)
     if not folder.is_dir():
-        raise ModelError(f"critic.path: {str(folder)!r} is not a local folder (AstrAI never downloads from a hub at run time)")
+        raise ModelError(
+            f"critic.path: {str(folder)!r} is not a local folder (AstrAI never downloads from a hub at run time)"
+        )
     try:
         trunk = AutoModel.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True, **kwargs)
     except (OSError, ValueError) as error:
@@ -112,7 +128,12 @@ def load_value_model(folder: str | Path, **kwargs) -> ValueModel:
 def build_value_model(model_config, tokenizer, seed: int, critic_path: str | None = None) -> ValueModel:
     """The critic: from `critic_path`, else warm-started from the policy's own source (see the module docstring)."""
     from astrai.models.policy import (
-        ModelError, attention_implementation, build_policy, disable_dropout, embedding_rows, logger,
+        ModelError,
+        attention_implementation,
+        build_policy,
+        disable_dropout,
+        embedding_rows,
+        logger,
     )
 
     if critic_path is None:
@@ -121,7 +142,9 @@ def build_value_model(model_config, tokenizer, seed: int, critic_path: str | Non
     critic = load_value_model(critic_path, **({"attn_implementation": attention} if attention else {}))
     embeddings = embedding_rows(critic.trunk)
     if len(tokenizer) > embeddings:
-        raise ModelError(f"critic.path: tokenizer has {len(tokenizer)} tokens but the critic's embedding has {embeddings}")
+        raise ModelError(
+            f"critic.path: tokenizer has {len(tokenizer)} tokens but the critic's embedding has {embeddings}"
+        )
     if model_config.disable_dropout:  # a warm-started critic's trunk had it done by build_policy
         changed = disable_dropout(critic)
         logger.info("model.disable_dropout: %d dropout probabilities of the critic (%s) set to 0", changed, critic_path)

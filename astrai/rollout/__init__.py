@@ -8,10 +8,29 @@ call these; nothing here knows which train type is running.
 from astrai.rollout.generation import RolloutResult, generate_rollout, rollout_metrics, sampling_seed
 from astrai.rollout.rewards import RewardError, RewardScores, build_reward, reward_inputs
 from astrai.rollout.sequences import (
-    frozen_response_values, join_sequences, left_pad, response_logits, response_logprobs, response_mask, response_values,
+    frozen_response_values,
+    join_sequences,
+    left_pad,
+    response_logits,
+    response_logprobs,
+    response_mask,
+    response_values,
 )
 
 __all__ = [
-    "RewardError", "RewardScores", "RolloutResult", "build_reward", "frozen_response_values", "generate_rollout", "join_sequences",
-    "left_pad", "response_logits", "response_logprobs", "response_mask", "response_values", "reward_inputs", "rollout_metrics", "sampling_seed",
+    "RewardError",
+    "RewardScores",
+    "RolloutResult",
+    "build_reward",
+    "frozen_response_values",
+    "generate_rollout",
+    "join_sequences",
+    "left_pad",
+    "response_logits",
+    "response_logprobs",
+    "response_mask",
+    "response_values",
+    "reward_inputs",
+    "rollout_metrics",
+    "sampling_seed",
 ]

@@ -127,8 +127,11 @@ class RolloutResult:
         values, returns = self.values[valid].double(), self.returns[valid].double()
         raw_advantages = returns - values
         sums = {
-            "rollout/target_tokens": float(valid.sum()), "rollout/values": float(values.sum()), "rollout/returns": float(returns.sum()),
-            "rollout/returns_squared": float((returns**2).sum()), "rollout/advantages": float(raw_advantages.sum()),
+            "rollout/target_tokens": float(valid.sum()),
+            "rollout/values": float(values.sum()),
+            "rollout/returns": float(returns.sum()),
+            "rollout/returns_squared": float((returns**2).sum()),
+            "rollout/advantages": float(raw_advantages.sum()),
             "rollout/advantages_squared": float((raw_advantages**2).sum()),
         }
         if self.kl is not None:
@@ -171,8 +174,10 @@ def target_metrics(totals: dict[str, float]) -> dict[str, float]:
     returns_var = max(totals["rollout/returns_squared"] / tokens - returns_mean**2, 0.0)
     advantages_var = max(totals["rollout/advantages_squared"] / tokens - advantages_mean**2, 0.0)
     record = {
-        "values_mean": totals["rollout/values"] / tokens, "returns_mean": returns_mean,
-        "advantages_mean": advantages_mean, "advantages_std": advantages_var**0.5,
+        "values_mean": totals["rollout/values"] / tokens,
+        "returns_mean": returns_mean,
+        "advantages_mean": advantages_mean,
+        "advantages_std": advantages_var**0.5,
         "explained_variance": 1.0 - advantages_var / returns_var if returns_var > 0 else 0.0,
     }
     if "rollout/kl" in totals:
@@ -211,16 +216,32 @@ def sampling_config(settings, tokenizer, *, do_sample: bool = True):
     else:
         knobs = dict(temperature=1.0, top_p=1.0, top_k=0)
     return GenerationConfig(
-        do_sample=do_sample, num_beams=1, **knobs,
-        min_p=0.0, typical_p=1.0, epsilon_cutoff=0.0, eta_cutoff=0.0, repetition_penalty=1.0, encoder_repetition_penalty=1.0,
-        no_repeat_ngram_size=0, min_new_tokens=0, max_new_tokens=settings.max_new_tokens,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, use_cache=True,
+        do_sample=do_sample,
+        num_beams=1,
+        **knobs,
+        min_p=0.0,
+        typical_p=1.0,
+        epsilon_cutoff=0.0,
+        eta_cutoff=0.0,
+        repetition_penalty=1.0,
+        encoder_repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        min_new_tokens=0,
+        max_new_tokens=settings.max_new_tokens,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        use_cache=True,
     )
 
 
 @torch.no_grad()
 def sample_responses(
-    engine, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings, tokenizer, sampler: TokenSampler | None = None
+    engine,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    settings,
+    tokenizer,
+    sampler: TokenSampler | None = None,
 ) -> torch.Tensor:
     """Sampled continuation ids [N, R] (R <= max_new_tokens; finished rows padded with the pad id).
     sampler: the TokenSampler generate calls at every step (pass one built with keep_logprobs to read the
@@ -240,8 +261,11 @@ def sample_responses(
         model.eval()  # no dropout while sampling; the behaviour log-probs come from the training forward anyway
         try:
             output = model.generate(
-                input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=sampling_config(settings, tokenizer, do_sample=False),
-                synced_gpus=synced, logits_processor=LogitsProcessorList([sampler]),
+                input_ids=prompt_ids,
+                attention_mask=prompt_mask,
+                generation_config=sampling_config(settings, tokenizer, do_sample=False),
+                synced_gpus=synced,
+                logits_processor=LogitsProcessorList([sampler]),
             )
         finally:
             model.train(was_training)
@@ -275,7 +299,9 @@ def generate_rollout(
     device = engine.device
     repeated = [list(ids) for ids in prompt_ids for _ in range(group)]
     prompts, prompt_mask = (tensor.to(device) for tensor in left_pad(repeated, tokenizer.pad_token_id))
-    source = behaviour_logprobs_source(getattr(settings, "behaviour_logprobs", "recompute"), getattr(engine, "precision", None))
+    source = behaviour_logprobs_source(
+        getattr(settings, "behaviour_logprobs", "recompute"), getattr(engine, "precision", None)
+    )
     from_sampler = behaviour_logprobs and source == "sampler"
     # vocab_size: a model vocabulary padded past the tokenizer samples, and scores, only the tokenizer's ids.
     sampler = TokenSampler(
@@ -291,15 +317,27 @@ def generate_rollout(
     else:
         sequences = join_sequences(prompts, prompt_mask, response_ids, mask)
         behaviour = response_logprobs(
-            engine, sequences, temperature=settings.temperature, batch_size=logprob_batch_size,
+            engine,
+            sequences,
+            temperature=settings.temperature,
+            batch_size=logprob_batch_size,
             vocab_size=len(tokenizer),
         )
     prompt_texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
-    response_texts = [tokenizer.decode(ids[keep.bool()].tolist(), skip_special_tokens=True) for ids, keep in zip(response_ids, mask)]
+    response_texts = [
+        tokenizer.decode(ids[keep.bool()].tolist(), skip_special_tokens=True) for ids, keep in zip(response_ids, mask)
+    ]
     return RolloutResult(
-        prompt_ids=prompts, prompt_mask=prompt_mask, response_ids=response_ids, response_mask=mask,
-        behaviour_logprobs=behaviour, truncated=truncated_rows(response_ids, tokenizer.eos_token_id),
-        prompt_texts=[text for text in prompt_texts for _ in range(group)], response_texts=response_texts,
-        messages=[list(chat) for chat in messages for _ in range(group)], rows=[dict(row) for row in rows for _ in range(group)],
-        group_size=group, policy_version=policy_version,
+        prompt_ids=prompts,
+        prompt_mask=prompt_mask,
+        response_ids=response_ids,
+        response_mask=mask,
+        behaviour_logprobs=behaviour,
+        truncated=truncated_rows(response_ids, tokenizer.eos_token_id),
+        prompt_texts=[text for text in prompt_texts for _ in range(group)],
+        response_texts=response_texts,
+        messages=[list(chat) for chat in messages for _ in range(group)],
+        rows=[dict(row) for row in rows for _ in range(group)],
+        group_size=group,
+        policy_version=policy_version,
     )

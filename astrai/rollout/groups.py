@@ -18,9 +18,7 @@ ROW_TENSORS = ("truncated", "rewards", "overlong_penalties", "loss_rows")  # [N]
 ROW_LISTS = ("prompt_texts", "response_texts", "messages", "rows")
 
 
-def select_groups(
-    rollout: RolloutResult, groups: Sequence[int], device: torch.device | str = "cpu"
-) -> RolloutResult:
+def select_groups(rollout: RolloutResult, groups: Sequence[int], device: torch.device | str = "cpu") -> RolloutResult:
     """The sequences of `groups` (indices of the rollout's groups, in the order given), moved to `device`.
     Only the sampling-stage fields travel (sequences, behaviour log-probs, rewards); targets are made later."""
     size = rollout.group_size
@@ -31,13 +29,16 @@ def select_groups(
         return None if tensor is None else tensor.index_select(0, index).to(device)
 
     return RolloutResult(
-        prompt_ids=pick(rollout.prompt_ids), prompt_mask=pick(rollout.prompt_mask),
-        response_ids=pick(rollout.response_ids), response_mask=pick(rollout.response_mask),
+        prompt_ids=pick(rollout.prompt_ids),
+        prompt_mask=pick(rollout.prompt_mask),
+        response_ids=pick(rollout.response_ids),
+        response_mask=pick(rollout.response_mask),
         behaviour_logprobs=pick(rollout.behaviour_logprobs),
         **{name: pick(getattr(rollout, name)) for name in ROW_TENSORS},
         **{name: [getattr(rollout, name)[row] for row in rows] for name in ROW_LISTS},
         reward_components={name: pick(values) for name, values in rollout.reward_components.items()},
-        group_size=size, policy_version=rollout.policy_version,
+        group_size=size,
+        policy_version=rollout.policy_version,
     )
 
 
@@ -78,5 +79,6 @@ def concatenate_rollouts(parts: Sequence[RolloutResult], pad_token_id: int) -> R
         reward_components={
             name: torch.cat([part.reward_components[name] for part in parts]) for name in first.reward_components
         },
-        group_size=first.group_size, policy_version=first.policy_version,
+        group_size=first.group_size,
+        policy_version=first.policy_version,
     )

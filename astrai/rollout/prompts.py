@@ -15,7 +15,9 @@ def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def prompt_batch(batch: dict[str, list], indices: list[int], *, tokenizer, fields, max_len: int, skip_bad: bool) -> dict[str, list[Any]]:
+def prompt_batch(
+    batch: dict[str, list], indices: list[int], *, tokenizer, fields, max_len: int, skip_bad: bool
+) -> dict[str, list[Any]]:
     """`datasets.map` function: rows -> prompt_ids, messages (JSON), row (JSON), bad flag.
 
     A prompt longer than `data.max_seq_len` tokens is a bad row: cutting it would drop the part of

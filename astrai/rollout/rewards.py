@@ -50,22 +50,36 @@ def reward_inputs(rollout) -> dict[str, list]:
     prompt_ids = [ids[keep.bool()].tolist() for ids, keep in zip(rollout.prompt_ids, rollout.prompt_mask)]
     response_ids = [ids[keep.bool()].tolist() for ids, keep in zip(rollout.response_ids, rollout.response_mask)]
     return {
-        "prompts": rollout.prompt_texts, "responses": rollout.response_texts, "prompt_ids": prompt_ids,
-        "response_ids": response_ids, "messages": rollout.messages, "rows": rollout.rows,
+        "prompts": rollout.prompt_texts,
+        "responses": rollout.response_texts,
+        "prompt_ids": prompt_ids,
+        "response_ids": response_ids,
+        "messages": rollout.messages,
+        "rows": rollout.rows,
     }
 
 
 def checked_scores(name: str, values, expected: int) -> torch.Tensor:
     """`values` as a float32 tensor [expected], or a RewardError naming the reward and the fault."""
     try:
-        scores = torch.as_tensor(values if isinstance(values, torch.Tensor) else list(values), dtype=torch.float64).flatten().cpu()
+        scores = (
+            torch.as_tensor(values if isinstance(values, torch.Tensor) else list(values), dtype=torch.float64)
+            .flatten()
+            .cpu()
+        )
     except (TypeError, ValueError) as error:
-        raise RewardError(f"reward {name!r} must return a sequence of floats, got {type(values).__name__}: {error}") from None
+        raise RewardError(
+            f"reward {name!r} must return a sequence of floats, got {type(values).__name__}: {error}"
+        ) from None
     if scores.numel() != expected:
-        raise RewardError(f"reward {name!r} returned {scores.numel()} values for {expected} responses (one float per response)")
+        raise RewardError(
+            f"reward {name!r} returned {scores.numel()} values for {expected} responses (one float per response)"
+        )
     bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
     if bad:
-        raise RewardError(f"reward {name!r} returned a non-finite value ({scores[bad[0]].item()}) for response {bad[0]} ({len(bad)} in all)")
+        raise RewardError(
+            f"reward {name!r} returned a non-finite value ({scores[bad[0]].item()}) for response {bad[0]} ({len(bad)} in all)"
+        )
     return scores.float()
 
 
@@ -120,11 +134,15 @@ class ModelReward:
             raise RewardError(f"reward.model_path: local folder {path!r} does not exist")
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-            self.model = AutoModelForSequenceClassification.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+            self.model = AutoModelForSequenceClassification.from_pretrained(
+                path, local_files_only=True, dtype=torch.float32
+            )
         except (OSError, ValueError) as error:
             raise RewardError(f"reward.model_path: cannot load {path!r} as a sequence classifier: {error}") from None
         if self.model.config.num_labels != 1:
-            raise RewardError(f"reward.model_path: {path!r} has {self.model.config.num_labels} outputs; a reward model has 1")
+            raise RewardError(
+                f"reward.model_path: {path!r} has {self.model.config.num_labels} outputs; a reward model has 1"
+            )
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         if self.model.config.pad_token_id is None:  # the classifier finds each row's last token by it
@@ -147,8 +165,12 @@ class ModelReward:
         limit = getattr(self.model.config, "max_position_embeddings", None)
         for start in range(0, len(texts), self.batch_size):
             encoded = self.tokenizer(
-                texts[start : start + self.batch_size], return_tensors="pt", padding=True, truncation=limit is not None,
-                max_length=limit, add_special_tokens=not self.tokenizer.chat_template,
+                texts[start : start + self.batch_size],
+                return_tensors="pt",
+                padding=True,
+                truncation=limit is not None,
+                max_length=limit,
+                add_special_tokens=not self.tokenizer.chat_template,
             ).to(self.device)
             scores.append(self.model(**encoded).logits[:, 0].float().cpu())
         return torch.cat(scores)
@@ -167,7 +189,12 @@ class HttpReward:
     """
 
     def __init__(
-        self, url: str, timeout_s: float, retries: int, backoff_s: float, name: str | None = None,
+        self,
+        url: str,
+        timeout_s: float,
+        retries: int,
+        backoff_s: float,
+        name: str | None = None,
         max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
     ):
         parts = urllib.parse.urlsplit(url)

@@ -53,8 +53,14 @@ class TokenSampler:
     """
 
     def __init__(
-        self, temperature: float, top_k: int, top_p: float, *, keep_logprobs: bool,
-        chunk_elements: int = CHUNK_ELEMENTS, vocab_size: int | None = None,
+        self,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        *,
+        keep_logprobs: bool,
+        chunk_elements: int = CHUNK_ELEMENTS,
+        vocab_size: int | None = None,
     ):
         from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
@@ -77,10 +83,14 @@ class TokenSampler:
         warped = self.warpers(input_ids, logits)
         uniforms = torch.rand(logits.shape[0], device=logits.device)  # float32: < 1 - 2^-24, so u x total < total
         rows = max(1, self.chunk_elements // logits.shape[-1])
-        tokens = torch.cat([
-            inverse_cdf_sample(torch.softmax(warped[start : start + rows].double(), dim=-1), uniforms[start : start + rows])
-            for start in range(0, logits.shape[0], rows)
-        ])
+        tokens = torch.cat(
+            [
+                inverse_cdf_sample(
+                    torch.softmax(warped[start : start + rows].double(), dim=-1), uniforms[start : start + rows]
+                )
+                for start in range(0, logits.shape[0], rows)
+            ]
+        )
         if self.keep_logprobs:
             scaled = logits / self.temperature
             drawn = scaled.gather(-1, tokens[:, None]).squeeze(-1)
@@ -92,7 +102,11 @@ class TokenSampler:
         """[N, R] float32 log-probs of response_ids, 0 where mask is 0 (pads after EOS)."""
         if not self.keep_logprobs:
             raise RuntimeError("this TokenSampler was built with keep_logprobs=False")
-        kept = torch.stack(self.steps, dim=1) if self.steps else response_ids.new_zeros(response_ids.shape, dtype=torch.float32)
+        kept = (
+            torch.stack(self.steps, dim=1)
+            if self.steps
+            else response_ids.new_zeros(response_ids.shape, dtype=torch.float32)
+        )
         if kept.shape != response_ids.shape:  # generate skipped the processor at some step: a transformers change
             raise RuntimeError(
                 f"sampler log-probs cover {tuple(kept.shape)} of responses {tuple(response_ids.shape)}; "

@@ -36,7 +36,9 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[tor
 
 
 def _is_eos(token_ids: torch.Tensor, eos_token_ids: int | Sequence[int]) -> torch.Tensor:
-    eos = torch.tensor([eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids), device=token_ids.device)
+    eos = torch.tensor(
+        [eos_token_ids] if isinstance(eos_token_ids, int) else list(eos_token_ids), device=token_ids.device
+    )
     return torch.isin(token_ids, eos)
 
 
@@ -128,7 +130,11 @@ def response_values(critic, sequences: dict[str, torch.Tensor]) -> torch.Tensor:
     `ValueModel` or its engine). Like the logits, V_t for response token t is read at column
     P + t - 1: the state in which token t is chosen (the prompt and response tokens before it).
     """
-    values = critic(input_ids=sequences["input_ids"], attention_mask=sequences["attention_mask"], position_ids=sequences["position_ids"])
+    values = critic(
+        input_ids=sequences["input_ids"],
+        attention_mask=sequences["attention_mask"],
+        position_ids=sequences["position_ids"],
+    )
     response_len = sequences["response_ids"].shape[1]
     prompt_len = sequences["input_ids"].shape[1] - response_len
     values = values[:, prompt_len - 1 : prompt_len - 1 + response_len]
@@ -167,5 +173,7 @@ def frozen_response_values(critic, sequences: dict[str, torch.Tensor], *, batch_
     total = sequences["input_ids"].shape[0]
     parts = []
     for start in range(0, total, batch_size):
-        parts.append(response_values(critic, {key: value[start : start + batch_size] for key, value in sequences.items()}))
+        parts.append(
+            response_values(critic, {key: value[start : start + batch_size] for key, value in sequences.items()})
+        )
     return torch.cat(parts)

@@ -16,14 +16,18 @@ class StepOutput:
     """What one micro-batch contributes: the loss to backpropagate and detached metric sums."""
 
     loss: torch.Tensor
-    sums: dict[str, float] = field(default_factory=dict)  # summed over micro-batches and ranks, then divided by `sums["weight"]`
+    sums: dict[str, float] = field(
+        default_factory=dict
+    )  # summed over micro-batches and ranks, then divided by `sums["weight"]`
 
 
 class Strategy:
     name: ClassVar[str]
     loop: ClassVar[str]  # "offline" or "online"
     required_parts: ClassVar[tuple[str, ...]] = ("policy",)  # what a checkpoint must hold to resume this train type
-    engine_parts: ClassVar[tuple[str, ...]] = ("policy",)  # the trainable engines build_run makes (online_ppo adds "critic")
+    engine_parts: ClassVar[tuple[str, ...]] = (
+        "policy",
+    )  # the trainable engines build_run makes (online_ppo adds "critic")
     renders_chats: ClassVar[bool] = True  # rows go through the tokenizer's chat template (not seq's plain text)
 
     def __init__(self, job, tokenizer):
@@ -108,5 +112,7 @@ def strategy_class(train_type: str) -> type[Strategy]:
     import astrai.strategies  # noqa: F401  (registers every built-in train type)
 
     if train_type not in REGISTRY:
-        raise KeyError(f"train.train_type: {train_type!r} is not available in this version (available: {', '.join(sorted(REGISTRY))})")
+        raise KeyError(
+            f"train.train_type: {train_type!r} is not available in this version (available: {', '.join(sorted(REGISTRY))})"
+        )
     return REGISTRY[train_type]

@@ -58,7 +58,13 @@ class DpoStrategy(Strategy):
     loop = "offline"
 
     def prepare_data(self, rows) -> tuple[datasets.Dataset, int]:
-        return render_rows(rows, preference_batch, tokenizer=self.tokenizer, data=self.job.data, description="rendering preference pairs")
+        return render_rows(
+            rows,
+            preference_batch,
+            tokenizer=self.tokenizer,
+            data=self.job.data,
+            description="rendering preference pairs",
+        )
 
     @classmethod
     def check_job(cls, job, world_size: int) -> None:
@@ -129,7 +135,9 @@ class DpoStrategy(Strategy):
             "loss_mask": pad_right(masks, 0),
         }
         if REFERENCE_COLUMNS[0] in rows[0]:
-            batch["reference_logps"] = torch.tensor([row[REFERENCE_COLUMNS[0]] for row in rows] + [row[REFERENCE_COLUMNS[1]] for row in rows])
+            batch["reference_logps"] = torch.tensor(
+                [row[REFERENCE_COLUMNS[0]] for row in rows] + [row[REFERENCE_COLUMNS[1]] for row in rows]
+            )
         return batch
 
     def loss_weight(self, batch: dict) -> int:
@@ -172,6 +180,11 @@ class DpoStrategy(Strategy):
             reference = completion_logprobs(self.reference, batch, average, len(self.tokenizer))
         pairs = chosen.shape[0]
         return dpo_loss(
-            chosen, rejected, reference[:pairs], reference[pairs:],
-            beta=settings.beta, loss_type=settings.loss, label_smoothing=settings.label_smoothing,
+            chosen,
+            rejected,
+            reference[:pairs],
+            reference[pairs:],
+            beta=settings.beta,
+            loss_type=settings.loss,
+            label_smoothing=settings.label_smoothing,
         )

@@ -64,12 +64,17 @@ def plan_groups(informative: list[list[list[bool]]], wanted: int) -> list[tuple[
 
 
 def deal_groups(
-    rollouts: list[RolloutResult], picks: list[tuple[int, int, int]], *, rank: int, per_rank: int, pad_token_id: int,
+    rollouts: list[RolloutResult],
+    picks: list[tuple[int, int, int]],
+    *,
+    rank: int,
+    per_rank: int,
+    pad_token_id: int,
     device="cpu",
 ) -> RolloutResult:
     """This rank's share of the step: picks[rank * per_rank : (rank + 1) * per_rank], whichever rank sampled
-    them, on `device`. rollouts: this rank's rollout of each round. Collective: every rank must call it with the
-same picks (the groups that change rank travel on the CPU)."""
+        them, on `device`. rollouts: this rank's rollout of each round. Collective: every rank must call it with the
+    same picks (the groups that change rank travel on the CPU)."""
     own = range(rank * per_rank, (rank + 1) * per_rank)
     if all(picks[position][1] == position // per_rank for position in range(len(picks))):  # nothing changes rank
         parts = [select_groups(rollouts[picks[position][0]], [picks[position][2]], device) for position in own]
@@ -114,14 +119,24 @@ def sample_dynamically(
         logger.warning(
             "step %d: %d informative groups of %d after rl.max_sampling_rounds %d; "
             "%d groups of equal rewards (advantages 0) fill the step",
-            step, kept, wanted, rounds, wanted - kept,
+            step,
+            kept,
+            wanted,
+            rounds,
+            wanted - kept,
         )
     rollout = deal_groups(
-        rollouts, picks, rank=dist.rank, per_rank=strategy.geometry.prompts_per_rank,
-        pad_token_id=strategy.tokenizer.pad_token_id, device=dist.device,
+        rollouts,
+        picks,
+        rank=dist.rank,
+        per_rank=strategy.geometry.prompts_per_rank,
+        pad_token_id=strategy.tokenizer.pad_token_id,
+        device=dist.device,
     )
     metrics = {
-        "sampling_rounds": float(rounds), "kept_groups": float(kept), "dropped_groups": float(rounds * wanted - wanted),
+        "sampling_rounds": float(rounds),
+        "kept_groups": float(kept),
+        "dropped_groups": float(rounds * wanted - wanted),
         "sampled_reward_mean": reward_sum / (rounds * wanted * group_size),
     }
     return StepSample(rollout, rounds * wanted, metrics)

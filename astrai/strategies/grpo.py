@@ -69,7 +69,10 @@ class GrpoStrategy(OnlineStrategy):
         reference = None
         if self.reference is not None:
             reference = response_logprobs(
-                self.reference, targets, temperature=self.job.rollout.temperature, batch_size=self.geometry.micro_batch_size,
+                self.reference,
+                targets,
+                temperature=self.job.rollout.temperature,
+                batch_size=self.geometry.micro_batch_size,
                 vocab_size=len(self.tokenizer),
             )
             if not self.kl_in_reward():
@@ -113,9 +116,15 @@ class GrpoStrategy(OnlineStrategy):
             advantages = broadcast_sequence_advantages(advantages, mask)
         behaviour = batch.get("behaviour_logprobs")  # None: one update per rollout, the weights that sampled
         policy_loss = ppo_policy_loss(
-            logprobs, logprobs.detach() if behaviour is None else behaviour, advantages, mask,
-            clip_eps=settings.clip_eps_low, clip_eps_high=settings.clip_eps_high, max_log_ratio=settings.max_log_ratio,
-            importance_sampling=settings.importance_sampling, **self.aggregation(normalizer),
+            logprobs,
+            logprobs.detach() if behaviour is None else behaviour,
+            advantages,
+            mask,
+            clip_eps=settings.clip_eps_low,
+            clip_eps_high=settings.clip_eps_high,
+            max_log_ratio=settings.max_log_ratio,
+            importance_sampling=settings.importance_sampling,
+            **self.aggregation(normalizer),
         )
         loss = policy_loss.loss
         tokens = float(mask.sum())

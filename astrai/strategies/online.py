@@ -20,12 +20,12 @@ from dataclasses import dataclass
 import datasets
 import torch
 
+from astrai.algos.dapo import overlong_penalty
+from astrai.algos.masked import masked_aggregate, rows_with_tokens
 from astrai.config import ConfigError
 from astrai.data import render_rows
 from astrai.data.sampler import ShardedOrder
 from astrai.rollout import RolloutResult, build_reward, generate_rollout, reward_inputs, sampling_seed
-from astrai.algos.dapo import overlong_penalty
-from astrai.algos.masked import masked_aggregate, rows_with_tokens
 from astrai.rollout.generation import behaviour_logprobs_source
 from astrai.rollout.prompts import decode_prompt_row, prompt_batch
 from astrai.strategies.base import StepOutput, Strategy
@@ -54,7 +54,9 @@ def batch_geometry(job, world_size: int) -> BatchGeometry:
     """Check that a step's rollout splits into whole optimizer steps on every rank; say what to change if not."""
     rollout, train = job.rollout, job.train
     if rollout.prompts_per_step % world_size:
-        raise ConfigError(f"rollout.prompts_per_step {rollout.prompts_per_step} does not split over {world_size} ranks: use a multiple of {world_size}")
+        raise ConfigError(
+            f"rollout.prompts_per_step {rollout.prompts_per_step} does not split over {world_size} ranks: use a multiple of {world_size}"
+        )
     per_update = train.micro_batch_size * train.grad_accum_steps
     if job.rl.minibatch_size is not None and job.rl.minibatch_size != per_update * world_size:
         raise ConfigError(
@@ -69,7 +71,9 @@ def batch_geometry(job, world_size: int) -> BatchGeometry:
             f"each rank samples {prompts_per_rank} prompts x rollout.group_size {rollout.group_size} = {sequences} responses, "
             f"not a multiple of one minibatch's {per_update} per rank (train.micro_batch_size x train.grad_accum_steps)"
         )
-    return BatchGeometry(prompts_per_rank, sequences, train.micro_batch_size, train.grad_accum_steps, sequences // per_update)
+    return BatchGeometry(
+        prompts_per_rank, sequences, train.micro_batch_size, train.grad_accum_steps, sequences // per_update
+    )
 
 
 def check_dapo_settings(job) -> None:
@@ -109,7 +113,9 @@ class OnlineStrategy(Strategy):
     loop = "online"
 
     def prepare_data(self, rows) -> tuple[datasets.Dataset, int]:
-        return render_rows(rows, prompt_batch, tokenizer=self.tokenizer, data=self.job.data, description="rendering prompts")
+        return render_rows(
+            rows, prompt_batch, tokenizer=self.tokenizer, data=self.job.data, description="rendering prompts"
+        )
 
     @classmethod
     def check_job(cls, job, world_size: int) -> None:
@@ -123,25 +129,40 @@ class OnlineStrategy(Strategy):
     def setup(self, run) -> None:
         self.geometry = batch_geometry(self.job, run.dist.world_size)
         self.dataset, self.dist = run.dataset, run.dist
-        self.order = ShardedOrder(len(run.dataset), self.geometry.prompts_per_rank, run.dist.world_size, run.dist.rank, self.job.train.seed, self.job.data.shuffle)
+        self.order = ShardedOrder(
+            len(run.dataset),
+            self.geometry.prompts_per_rank,
+            run.dist.world_size,
+            run.dist.rank,
+            self.job.train.seed,
+            self.job.data.shuffle,
+        )
         self.reward = build_reward(self.job.reward, run.dist.device)
         self.reference, self.reference_source = None, None
         updates = self.optimizer_steps_per_step(run.dist.world_size)
         logger.info(
             "%s: %d prompts x %d responses per rank per step, %d optimizer steps per step, reward %s",
-            self.name, self.geometry.prompts_per_rank, self.job.rollout.group_size, updates, ", ".join(self.reward.names),
+            self.name,
+            self.geometry.prompts_per_rank,
+            self.job.rollout.group_size,
+            updates,
+            ", ".join(self.reward.names),
         )
         if self.needs_behaviour_logprobs():
             setting, precision = self.job.rollout.behaviour_logprobs, run.engines["policy"].precision
             logger.info(
                 "behaviour log-probs: %s (rollout.behaviour_logprobs: %s, policy in %s)",
-                behaviour_logprobs_source(setting, precision), setting, precision,
+                behaviour_logprobs_source(setting, precision),
+                setting,
+                precision,
             )
 
     def build_reference(self, run) -> None:
         """The frozen reference (as `dpo`'s): `model.reference_path`, else the policy's starting weights;
         partitioned like the policy under ZeRO-3."""
-        self.reference, self.reference_source = build_reference(self.job, self.tokenizer, run.engines["policy"].ds_config)
+        self.reference, self.reference_source = build_reference(
+            self.job, self.tokenizer, run.engines["policy"].ds_config
+        )
 
     def checkpoint_meta(self) -> dict:
         return {"reference": self.reference_source, "reward": self.reward.names}
@@ -168,9 +189,16 @@ class OnlineStrategy(Strategy):
     ) -> RolloutResult:
         prompt_ids, messages, rows = zip(*(decode_prompt_row(example) for example in examples))
         rollout = generate_rollout(
-            policy, self.tokenizer, prompt_ids, messages, rows, self.job.rollout,
-            seed=round_seed(self.job.train.seed, step, self.dist.rank, sampling_round), policy_version=policy_version,
-            logprob_batch_size=self.geometry.micro_batch_size, behaviour_logprobs=self.needs_behaviour_logprobs(),
+            policy,
+            self.tokenizer,
+            prompt_ids,
+            messages,
+            rows,
+            self.job.rollout,
+            seed=round_seed(self.job.train.seed, step, self.dist.rank, sampling_round),
+            policy_version=policy_version,
+            logprob_batch_size=self.geometry.micro_batch_size,
+            behaviour_logprobs=self.needs_behaviour_logprobs(),
         )
         if self.job.rl.mask_truncated:
             rollout.loss_rows = ~rollout.truncated
@@ -193,8 +221,10 @@ class OnlineStrategy(Strategy):
         if settings is not None:
             lengths = rollout.response_mask.sum(dim=1)  # tokens, EOS included
             rollout.overlong_penalties = overlong_penalty(
-                lengths, max_tokens=settings.max_tokens or self.job.rollout.max_new_tokens,
-                buffer_tokens=settings.buffer_tokens, penalty_factor=settings.penalty_factor,
+                lengths,
+                max_tokens=settings.max_tokens or self.job.rollout.max_new_tokens,
+                buffer_tokens=settings.buffer_tokens,
+                penalty_factor=settings.penalty_factor,
             )
             rollout.rewards = rollout.rewards + rollout.overlong_penalties
 
@@ -228,12 +258,19 @@ class OnlineStrategy(Strategy):
         arguments = self.aggregation(normalizer)
         return masked_aggregate(per_token, mask, arguments.pop("aggregation"), **arguments)
 
-    def minibatches(self, targets: dict[str, torch.Tensor], *, step: int, epoch: int) -> Iterator[list[dict[str, torch.Tensor]]]:
+    def minibatches(
+        self, targets: dict[str, torch.Tensor], *, step: int, epoch: int
+    ) -> Iterator[list[dict[str, torch.Tensor]]]:
         """One list of grad_accum_steps micro-batches per optimizer step, over a fresh permutation of this
         rank's sequences each epoch (seeded by step, epoch and rank, so a resumed run replays the same)."""
         geometry = self.geometry
-        generator = torch.Generator().manual_seed(sampling_seed(self.job.train.seed, step, self.dist.rank, stream=1 + epoch))
+        generator = torch.Generator().manual_seed(
+            sampling_seed(self.job.train.seed, step, self.dist.rank, stream=1 + epoch)
+        )
         order = torch.randperm(geometry.sequences_per_rank, generator=generator).to(targets["input_ids"].device)
         for start in range(0, geometry.sequences_per_rank, geometry.sequences_per_update):
             update = order[start : start + geometry.sequences_per_update]
-            yield [{key: value[micro] for key, value in targets.items()} for micro in update.split(geometry.micro_batch_size)]
+            yield [
+                {key: value[micro] for key, value in targets.items()}
+                for micro in update.split(geometry.micro_batch_size)
+            ]

@@ -57,7 +57,9 @@ def global_standardize(values: torch.Tensor, mask: torch.Tensor, device) -> torc
     this is `masked.masked_whiten`."""
     valid = mask.bool()
     selected = values[valid].double()
-    count, total, squares = all_reduce_sums([float(valid.sum()), float(selected.sum()), float((selected**2).sum())], device)
+    count, total, squares = all_reduce_sums(
+        [float(valid.sum()), float(selected.sum()), float((selected**2).sum())], device
+    )
     mean = total / max(count, 1.0)
     variance = max(squares - count * mean**2, 0.0) / max(count - 1.0, 1.0)
     standardized = (values - mean) / math.sqrt(variance + WHITEN_EPS)
@@ -88,7 +90,9 @@ class PPOStrategy(OnlineStrategy):
         (the critic then starts from critic.path). Without critic.path a missing critic fails the resume."""
         if self.job.critic.path is None or (checkpoint / "critic").is_dir():
             return self.required_parts
-        logger.warning("%s has no critic part: starting a new critic from critic.path %s", checkpoint, self.job.critic.path)
+        logger.warning(
+            "%s has no critic part: starting a new critic from critic.path %s", checkpoint, self.job.critic.path
+        )
         return ("policy",)
 
     def trains_policy(self, step: int) -> bool:
@@ -138,7 +142,10 @@ class PPOStrategy(OnlineStrategy):
             return torch.zeros_like(targets["behaviour_logprobs"])
         settings = self.job.rl
         reference = response_logprobs(
-            self.reference, targets, temperature=self.job.rollout.temperature, batch_size=self.geometry.micro_batch_size,
+            self.reference,
+            targets,
+            temperature=self.job.rollout.temperature,
+            batch_size=self.geometry.micro_batch_size,
             vocab_size=len(self.tokenizer),
         )
         if not settings.kl_in_reward:
@@ -160,7 +167,9 @@ class PPOStrategy(OnlineStrategy):
         """Adaptive KL: the step's KL per response (summed over its tokens), averaged over every rank's responses."""
         if self.reference is None or self.job.rl.target_kl is None:
             return
-        kl_sum, responses = all_reduce_sums([float(masked_sum(kl.double(), mask)), float(mask.shape[0])], self.dist.device)
+        kl_sum, responses = all_reduce_sums(
+            [float(masked_sum(kl.double(), mask)), float(mask.shape[0])], self.dist.device
+        )
         self.kl_controller.update(kl_sum / max(responses, 1.0), int(responses))
 
     # ----------------------------------------------------------------------------- losses
@@ -174,9 +183,16 @@ class PPOStrategy(OnlineStrategy):
         logits, output = response_forward(policy, batch, temperature, vocab_size, **options)  # [B, R, vocab]
         logprobs = masked_token_logprobs(logits, batch["response_ids"], mask)
         surrogate = ppo_policy_loss(
-            logprobs, batch["behaviour_logprobs"], batch["advantages"], mask, clip_eps=settings.clip_eps_low,
-            clip_eps_high=settings.clip_eps_high, dual_clip=settings.dual_clip_c, max_log_ratio=settings.max_log_ratio,
-            importance_sampling=settings.importance_sampling, **self.aggregation(normalizer),
+            logprobs,
+            batch["behaviour_logprobs"],
+            batch["advantages"],
+            mask,
+            clip_eps=settings.clip_eps_low,
+            clip_eps_high=settings.clip_eps_high,
+            dual_clip=settings.dual_clip_c,
+            max_log_ratio=settings.max_log_ratio,
+            importance_sampling=settings.importance_sampling,
+            **self.aggregation(normalizer),
         )
         policy_loss = surrogate.loss
         entropy = entropy_from_logits(logits if settings.entropy_coef > 0 else logits.detach())
@@ -185,8 +201,10 @@ class PPOStrategy(OnlineStrategy):
             loss = loss - settings.entropy_coef * self._aggregate(entropy, mask, normalizer)
         tokens = float(mask.sum())
         sums = {
-            "policy_loss": float(policy_loss.detach()) * normalizer, "clip_frac": float(surrogate.clip_fraction) * tokens,
-            "approx_kl": float(surrogate.approx_kl) * tokens, "entropy": float(masked_sum(entropy.detach(), mask)),
+            "policy_loss": float(policy_loss.detach()) * normalizer,
+            "clip_frac": float(surrogate.clip_fraction) * tokens,
+            "approx_kl": float(surrogate.approx_kl) * tokens,
+            "entropy": float(masked_sum(entropy.detach(), mask)),
             "log_ratio_clamp_frac": float(surrogate.log_ratio_clamp_fraction) * tokens,
         }
         if "reference_logprobs" in batch:
@@ -204,9 +222,16 @@ class PPOStrategy(OnlineStrategy):
         settings, mask = self.job.rl, batch["response_mask"]
         values = response_values(critic, batch)
         regression = value_loss(
-            values, batch["values"], batch["returns"], mask, clip_range=settings.value_clip,
+            values,
+            batch["values"],
+            batch["returns"],
+            mask,
+            clip_range=settings.value_clip,
             **self.aggregation(normalizer),
         )
         loss = regression.loss
-        sums = {"value_loss": float(loss.detach()) * normalizer, "value_clip_frac": float(regression.clip_fraction) * float(mask.sum())}
+        sums = {
+            "value_loss": float(loss.detach()) * normalizer,
+            "value_clip_frac": float(regression.clip_fraction) * float(mask.sum()),
+        }
         return StepOutput(settings.vf_coef * loss, sums)

@@ -18,7 +18,14 @@ import shlex
 from pathlib import Path
 
 from lib.job_yaml import (
-    JobFileError, check_known_keys, host_path, load_job_file, read_env_file, run_cli, section, text_value,
+    JobFileError,
+    check_known_keys,
+    host_path,
+    load_job_file,
+    read_env_file,
+    run_cli,
+    section,
+    text_value,
 )
 from train_runtime import COMPOSE_DIR, check_devices_all, compose_project, infra_variables, shell_lines
 
@@ -50,9 +57,13 @@ def serve_variables(document: dict, job_file: Path) -> dict[str, str | None]:
         variables["SERVE_MODEL_NAME"] = name
     extra_args = serve.get("extra_args")
     if extra_args is not None:
-        scalars = isinstance(extra_args, list) and all(isinstance(a, (str, int, float)) and not isinstance(a, bool) for a in extra_args)
+        scalars = isinstance(extra_args, list) and all(
+            isinstance(a, (str, int, float)) and not isinstance(a, bool) for a in extra_args
+        )
         if not scalars:
-            raise JobFileError(f"{job_file}: serve.extra_args: expected a list of arguments like ['--max-model-len', 4096], got {extra_args!r}")
+            raise JobFileError(
+                f"{job_file}: serve.extra_args: expected a list of arguments like ['--max-model-len', 4096], got {extra_args!r}"
+            )
         # One string, quoted for the server's `sh -c 'eval set -- ...'`, so each argument arrives intact.
         variables["SERVE_EXTRA_ARGS"] = shlex.join(str(argument) for argument in extra_args)
     return variables

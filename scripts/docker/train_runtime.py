@@ -24,8 +24,17 @@ import shlex
 from pathlib import Path, PurePosixPath
 
 from lib.job_yaml import (
-    JobFileError, check_known_keys, export_line, host_path, load_job_file, parse_gpu, read_env_file,
-    render_env_value, run_cli, section, text_value,
+    JobFileError,
+    check_known_keys,
+    export_line,
+    host_path,
+    load_job_file,
+    parse_gpu,
+    read_env_file,
+    render_env_value,
+    run_cli,
+    section,
+    text_value,
 )
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -50,11 +59,15 @@ def infra_variables(document: dict, job_file: Path) -> dict[str, str | None]:
     """Variable -> value for each `infra:` key the YAML sets (None: unset it); TRAIN_CONFIG_FILE always."""
     infra = section(document, "infra", job_file)
     check_known_keys(infra, HOST_KEYS + MULTI_NODE_KEYS, "infra", job_file)
-    variables: dict[str, str | None] = {"TRAIN_CONFIG_FILE": mountable(str(job_file.resolve()), "the job file", job_file)}
+    variables: dict[str, str | None] = {
+        "TRAIN_CONFIG_FILE": mountable(str(job_file.resolve()), "the job file", job_file)
+    }
     job_name = text_value(infra, "job_name", "infra", job_file)
     if job_name is not None:
         if not _JOB_NAME.match(job_name):
-            raise JobFileError(f"{job_file}: infra.job_name: {job_name!r} must be letters, digits, '.', '_' or '-' (it names containers)")
+            raise JobFileError(
+                f"{job_file}: infra.job_name: {job_name!r} must be letters, digits, '.', '_' or '-' (it names containers)"
+            )
         variables["TRAIN_JOB_NAME"] = job_name
     for key, variable in PATH_VARIABLES.items():
         value = text_value(infra, key, "infra", job_file)
@@ -95,9 +108,13 @@ def job_environment(document: dict, job_file: Path) -> dict[str, str]:
         if not isinstance(name, str) or not _ENV_NAME.match(name):
             raise JobFileError(f"{where}: not a valid environment variable name")
         if name == "CUDA_VISIBLE_DEVICES":
-            raise JobFileError(f"{where}: choose the job's GPUs with infra.gpu.devices (the launcher must know them too)")
+            raise JobFileError(
+                f"{where}: choose the job's GPUs with infra.gpu.devices (the launcher must know them too)"
+            )
         if isinstance(value, (dict, list)):
-            raise JobFileError(f"{where}: expected a string, number, bool or null, got {type(value).__name__} {value!r}")
+            raise JobFileError(
+                f"{where}: expected a string, number, bool or null, got {type(value).__name__} {value!r}"
+            )
         rendered[name] = render_env_value(value)
     return rendered
 
@@ -126,7 +143,11 @@ def plan(document: dict, job_file: Path | None, environ: dict, env_file: dict, *
 
     check_devices_all(variables, env_file, job_file)
     job_name = effective("TRAIN_JOB_NAME") or (job_file.stem if job_file else "astrai")
-    result = {"job_name": job_name, "project": compose_project(job_name), "image": effective("TRAIN_IMAGE") or DEFAULT_IMAGE}
+    result = {
+        "job_name": job_name,
+        "project": compose_project(job_name),
+        "image": effective("TRAIN_IMAGE") or DEFAULT_IMAGE,
+    }
     if launch and job_file:
         result.update(launch_plan(document, job_file, effective))
     return result
@@ -134,7 +155,11 @@ def plan(document: dict, job_file: Path | None, environ: dict, env_file: dict, *
 
 def check_devices_all(variables: dict, env_file: dict, job_file: Path | None) -> None:
     """`gpu.devices: all` can only unset the shell's CUDA_VISIBLE_DEVICES; one in .env.train would still reach compose."""
-    if "CUDA_VISIBLE_DEVICES" in variables and variables["CUDA_VISIBLE_DEVICES"] is None and env_file.get("CUDA_VISIBLE_DEVICES"):
+    if (
+        "CUDA_VISIBLE_DEVICES" in variables
+        and variables["CUDA_VISIBLE_DEVICES"] is None
+        and env_file.get("CUDA_VISIBLE_DEVICES")
+    ):
         raise JobFileError(
             f"{job_file}: infra.gpu.devices: `all`, but the env file sets CUDA_VISIBLE_DEVICES={env_file['CUDA_VISIBLE_DEVICES']}, "
             "which compose would pass on: remove it there, or list the devices in the job YAML"
@@ -165,12 +190,16 @@ def launch_plan(document: dict, job_file: Path, effective) -> dict[str, str]:
     resume = section(document, "checkpoint", job_file).get("resume") or "auto"
     if resume == "auto" and isinstance(output_dir, str):
         checkpoints = Path(to_host(output_dir, "output_dir", mounts, job_file)) / "checkpoints"
-        if checkpoints.is_dir() and any(_STEP_DIR.match(child.name) and child.is_dir() for child in checkpoints.iterdir()):
+        if checkpoints.is_dir() and any(
+            _STEP_DIR.match(child.name) and child.is_dir() for child in checkpoints.iterdir()
+        ):
             result.update(resume_dir=str(checkpoints), resume_latest="1")
     elif resume not in ("auto", "never"):
         checkpoint = to_host(str(resume), "checkpoint.resume", mounts, job_file)
         if not Path(checkpoint).is_dir():
-            raise JobFileError(f"{job_file}: checkpoint.resume: {resume!r} is {checkpoint} on this host, which is not a directory")
+            raise JobFileError(
+                f"{job_file}: checkpoint.resume: {resume!r} is {checkpoint} on this host, which is not a directory"
+            )
         result["resume_dir"] = checkpoint
     return result
 
@@ -192,7 +221,9 @@ def to_host(container_path: str, key: str, mounts: dict[str, str | None], job_fi
                     f"(set infra.{infra_key}, or {variable} in .env.train)"
                 )
             return str(Path(host) / PurePosixPath(container_path).relative_to(root))
-    raise JobFileError(f"{job_file}: {key}: {container_path!r} is not under a mounted folder ({', '.join(CONTAINER_MOUNTS)})")
+    raise JobFileError(
+        f"{job_file}: {key}: {container_path!r} is not under a mounted folder ({', '.join(CONTAINER_MOUNTS)})"
+    )
 
 
 def main(argv: list[str]) -> str:

@@ -46,7 +46,9 @@ def main() -> None:
     chats, texts, pairs, prompts = [], [], [], []
     for a, b, operator in rows:
         question, result = f"{a}{operator}{b}=", answer(a, b, operator)
-        chats.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": str(result)}]})
+        chats.append(
+            {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": str(result)}]}
+        )
         texts.append({"text": f"{question}{result}"})
         wrong = result + rng.choice([-10, -2, -1, 1, 2, 10])
         pairs.append({"prompt": question, "chosen": str(result), "rejected": str(wrong)})

@@ -82,7 +82,12 @@ def recording_hash_shares(shares: list) -> None:
 
     def recording(root, paths, algorithm, *, known=None, **kwargs):
         known = known or {}
-        shares.append({"known": sorted(path for path in paths if path in known), "read": sorted(path for path in paths if path not in known)})
+        shares.append(
+            {
+                "known": sorted(path for path in paths if path in known),
+                "read": sorted(path for path in paths if path not in known),
+            }
+        )
         return original(root, paths, algorithm, known=known, **kwargs)
 
     publisher_module.hash_files = recording
@@ -94,12 +99,17 @@ def attempt(action) -> dict:
     try:
         report = action()
         return {
-            "ok": True, "path": str(report.path), "files": report.files, "hashed_while_written": report.hashed_while_written,
+            "ok": True,
+            "path": str(report.path),
+            "files": report.files,
+            "hashed_while_written": report.hashed_while_written,
             "seconds": time.monotonic() - started,
         }
     except CheckpointError as error:
         return {
-            "ok": False, "error": str(error), "type": type(error).__name__,
+            "ok": False,
+            "error": str(error),
+            "type": type(error).__name__,
             "cause": type(error.__cause__).__name__ if error.__cause__ else None,
             "seconds": time.monotonic() - started,
         }

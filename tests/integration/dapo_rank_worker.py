@@ -37,12 +37,18 @@ def instrument() -> None:
     def recorded_sample(self, policy, prompt_batches, *, step, policy_version):
         result = sample(self, policy, prompt_batches, step=step, policy_version=policy_version)
         rollout = result.rollout
-        record(self, {
-            "kind": "step", "step": step, "ids": [row["id"] for row in rollout.rows],
-            "responses": rollout.response_texts,
-            "rewards": rollout.rewards.tolist(), "group_size": rollout.group_size,
-            "prompts_drawn": result.prompts_drawn,
-        })
+        record(
+            self,
+            {
+                "kind": "step",
+                "step": step,
+                "ids": [row["id"] for row in rollout.rows],
+                "responses": rollout.response_texts,
+                "rewards": rollout.rewards.tolist(),
+                "group_size": rollout.group_size,
+                "prompts_drawn": result.prompts_drawn,
+            },
+        )
         return result
 
     def recorded_minibatches(self, targets, *, step, epoch):

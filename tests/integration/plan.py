@@ -80,10 +80,11 @@ def launch_plan(folder: Path, runs: list[dict], ranks: int = 2, timeout: int = 9
     plan.write_text(json.dumps({"results": str(results), "runs": runs}))
     completed = launch_ranks([REPO / "tests/integration/run_plan.py", "--plan", plan], ranks, timeout)
     (folder / "launch.log").write_text(completed.stdout + completed.stderr)
-    assert completed.returncode == 0, f"launch failed ({completed.returncode}):\n{completed.stdout[-4000:]}\n{completed.stderr[-4000:]}"
+    assert completed.returncode == 0, (
+        f"launch failed ({completed.returncode}):\n{completed.stdout[-4000:]}\n{completed.stderr[-4000:]}"
+    )
     return json.loads(results.read_text())
 
 
 def metrics(folder: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in (folder / name / "metrics.jsonl").read_text().splitlines()]
-

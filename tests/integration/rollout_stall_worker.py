@@ -25,10 +25,29 @@ def main() -> None:
     results = Path(sys.argv[1])
     info = setup_distributed(4)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32))
-    config = build_ds_config(DeepSpeedSection(zero_stage=3), template_path=None, micro_batch_size=2, grad_accum_steps=1, max_grad_norm=1.0,
-                             precision="fp32", lr=1e-3, betas=(0.9, 0.95), eps=1e-8, world_size=info.world_size)
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=40,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=32,
+        )
+    )
+    config = build_ds_config(
+        DeepSpeedSection(zero_stage=3),
+        template_path=None,
+        micro_batch_size=2,
+        grad_accum_steps=1,
+        max_grad_norm=1.0,
+        precision="fp32",
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        world_size=info.world_size,
+    )
     engine = make_engine(model, config, weight_decay=0.0, schedule=lambda _: 1.0)
     outcome: dict = {}
     with engine.generation_module() as copy:  # both ranks: one full sync works

@@ -40,13 +40,30 @@ ARCHITECTURES = {
     "gemma": {"model_type": "gemma", **ATTENTION, "head_dim": 8},
     "phi3": {"model_type": "phi3", **ATTENTION},
     "gpt2": {"model_type": "gpt2", "n_embd": 32, "n_inner": 64, "n_layer": 2, "n_head": 4, "n_positions": 64},
-    "gpt_neox": {"model_type": "gpt_neox", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
-                 **LAYERS},
-    "opt": {"model_type": "opt", "hidden_size": 32, "ffn_dim": 64, "word_embed_proj_dim": 32, "num_attention_heads": 4,
-            **LAYERS},
-    "qwen2_moe": {"model_type": "qwen2_moe", **ATTENTION, "moe_intermediate_size": 32,
-                  "shared_expert_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
-                  "decoder_sparse_step": 1},
+    "gpt_neox": {
+        "model_type": "gpt_neox",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        **LAYERS,
+    },
+    "opt": {
+        "model_type": "opt",
+        "hidden_size": 32,
+        "ffn_dim": 64,
+        "word_embed_proj_dim": 32,
+        "num_attention_heads": 4,
+        **LAYERS,
+    },
+    "qwen2_moe": {
+        "model_type": "qwen2_moe",
+        **ATTENTION,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+    },
 }
 
 SFT_JOB = """\
@@ -72,7 +89,6 @@ train: {{train_type: grpo, max_steps: 1, micro_batch_size: 2, lr: 1e-3, lr_sched
 deepspeed: {{zero_stage: 2}}
 runtime: {{progress_bar: false, tensorboard: false}}
 """
-
 
 
 def character_code_reward(responses: list[str]) -> list[float]:

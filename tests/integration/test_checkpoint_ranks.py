@@ -34,15 +34,26 @@ def launch(scenario: str, root: Path, timeout_s: float = 120) -> tuple[list[dict
     ranks = []
     for rank in range(WORLD_SIZE):
         environment = dict(
-            os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD_SIZE),
-            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(WORLD_SIZE),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            GLOO_SOCKET_IFNAME="lo",
             PYTHONPATH=os.pathsep.join(filter(None, [str(REPOSITORY), os.environ.get("PYTHONPATH")])),
             OMP_NUM_THREADS="1",
         )
-        ranks.append(subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, str(root), str(results_dir)],
-            cwd=REPOSITORY, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        ))
+        ranks.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), scenario, str(root), str(results_dir)],
+                cwd=REPOSITORY,
+                env=environment,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
     outputs = []
     try:
         for process in ranks:
@@ -94,8 +105,14 @@ def test_two_ranks_publish_and_fail_together(tmp_path):
     # (f) rank 1 lists a file rank 0 does not: the listing gather aborts (after its retries), nothing is hashed.
     for outcome in (result["listings_differ"] for result in results):
         assert not outcome["ok"] and outcome["type"] == "CheckpointError", outcome
-        assert "checkpoint save step 60: rank 1 sees different files than rank 0 in the staging directory" in outcome["error"]
-        assert "missing [], extra ['policy/node_local']" in outcome["error"] and "nothing was published" in outcome["error"]
+        assert (
+            "checkpoint save step 60: rank 1 sees different files than rank 0 in the staging directory"
+            in outcome["error"]
+        )
+        assert (
+            "missing [], extra ['policy/node_local']" in outcome["error"]
+            and "nothing was published" in outcome["error"]
+        )
 
     # (g) each rank's file hashed while written: fsynced and size-checked by the rank that wrote it, not read
     # back; the other files shared out as before. Two ranks reporting one file abort the save.

@@ -40,8 +40,19 @@ deepspeed: {{zero_stage: 2}}
 checkpoint: {{every_steps: 1}}
 runtime: {{progress_bar: false, tensorboard: false}}
 """
-COMPARED = ("reward_mean", "sampled_reward_mean", "sampling_rounds", "kept_groups", "dropped_groups", "samples", "loss",
-            "entropy", "clip_frac", "response_len_mean", "policy_version")
+COMPARED = (
+    "reward_mean",
+    "sampled_reward_mean",
+    "sampling_rounds",
+    "kept_groups",
+    "dropped_groups",
+    "samples",
+    "loss",
+    "entropy",
+    "clip_frac",
+    "response_len_mean",
+    "policy_version",
+)
 
 
 def write_job(folder, name: str) -> str:

@@ -24,9 +24,14 @@ from tests.conftest import launch_ranks
 pytestmark = pytest.mark.slow
 
 TINY_RUN = [
-    "train.max_steps=4", "checkpoint.every_steps=null", "train.micro_batch_size=4",
-    "model.init.hidden_size=32", "model.init.intermediate_size=64", "model.init.num_hidden_layers=2",
-    "runtime.progress_bar=false", "runtime.tensorboard=false",
+    "train.max_steps=4",
+    "checkpoint.every_steps=null",
+    "train.micro_batch_size=4",
+    "model.init.hidden_size=32",
+    "model.init.intermediate_size=64",
+    "model.init.num_hidden_layers=2",
+    "runtime.progress_bar=false",
+    "runtime.tensorboard=false",
 ]
 RUNS = {
     "zero1": ["deepspeed.zero_stage=1"],
@@ -113,7 +118,9 @@ def test_generate_on_the_export_gives_the_trained_models_tokens(name, runs, expo
     """What a user does with the folder: its tokenizer's chat template, then greedy generation."""
     tokenizer = AutoTokenizer.from_pretrained(exports[name])
     loaded = AutoModelForCausalLM.from_pretrained(exports[name]).eval()
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "12+7="}], add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "12+7="}], add_generation_prompt=True, tokenize=False
+    )
     assert prompt == "<|im_start|>user\n12+7=<|im_end|>\n<|im_start|>assistant\n"
     inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
     prompt_len = inputs["input_ids"].shape[1]
@@ -140,7 +147,13 @@ def test_zero1_zero2_and_zero3_exports_agree(runs, exports):
     vocab_size = models["zero2"].config.vocab_size
     logits = {name: logits_of(model, vocab_size) for name, model in models.items()}
     for name in ("zero1", "zero3"):
-        torch.testing.assert_close(logits[name], logits["zero2"], atol=STAGES_AGREE_ATOL, rtol=0, msg=lambda text, name=name: f"{name} vs zero2: {text}")
+        torch.testing.assert_close(
+            logits[name],
+            logits["zero2"],
+            atol=STAGES_AGREE_ATOL,
+            rtol=0,
+            msg=lambda text, name=name: f"{name} vs zero2: {text}",
+        )
     # The agreement means something only if training moved the weights far beyond the tolerance.
     moved = (logits["zero2"] - logits_of(initial_model(runs["zero2"]), vocab_size)).abs().max().item()
     assert moved > 100 * STAGES_AGREE_ATOL, moved

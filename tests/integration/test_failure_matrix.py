@@ -63,14 +63,32 @@ TEMPLATE = ["deepspeed.config={folder}/ds.json"]
 CONFIG_CASES = [
     Case("ds_config_invalid_json", TEMPLATE, "ds.json:1: not valid JSON", 2, {"ds.json": "{stage: 2"}),
     Case("ds_config_a_list", TEMPLATE, "ds.json: a DeepSpeed config must be a JSON object", 2, {"ds.json": "[1, 2]"}),
-    Case("ds_config_bad_value", TEMPLATE, "zero_optimization.reduce_bucket_size: Input should be greater than 0", 2,
-         {"ds.json": '{"zero_optimization": {"stage": 2, "reduce_bucket_size": -5}}'}),
-    Case("overrides_bad_value", ["deepspeed.overrides={bf16: {enabled: maybe}}"],
-         "bf16.enabled: Input should be a valid boolean", 2),
-    Case("ds_config_section_not_object", TEMPLATE, "zero_optimization must be an object", 2,
-         {"ds.json": '{"zero_optimization": "abc"}'}),
-    Case("overrides_zero_stage_7", ["deepspeed.overrides={zero_optimization: {stage: 7}}"],
-         "(deepspeed.overrides): zero_optimization.stage: Input should be 0, 1, 2, 3", 2),
+    Case(
+        "ds_config_bad_value",
+        TEMPLATE,
+        "zero_optimization.reduce_bucket_size: Input should be greater than 0",
+        2,
+        {"ds.json": '{"zero_optimization": {"stage": 2, "reduce_bucket_size": -5}}'},
+    ),
+    Case(
+        "overrides_bad_value",
+        ["deepspeed.overrides={bf16: {enabled: maybe}}"],
+        "bf16.enabled: Input should be a valid boolean",
+        2,
+    ),
+    Case(
+        "ds_config_section_not_object",
+        TEMPLATE,
+        "zero_optimization must be an object",
+        2,
+        {"ds.json": '{"zero_optimization": "abc"}'},
+    ),
+    Case(
+        "overrides_zero_stage_7",
+        ["deepspeed.overrides={zero_optimization: {stage: 7}}"],
+        "(deepspeed.overrides): zero_optimization.stage: Input should be 0, 1, 2, 3",
+        2,
+    ),
     Case("lr_nan", ["train.lr=.nan"], "train.lr: Input should be a finite number", 2),
     Case("lr_inf", ["train.lr=.inf"], "train.lr: Input should be a finite number", 2),
     Case("output_dir_empty", ["output_dir=''"], "output_dir: must name a folder", 2),
@@ -79,23 +97,53 @@ CONFIG_CASES = [
     Case("environment_name_with_space", ["runtime.environment={'MY VAR': 1}"], "'MY VAR' is not a variable name", 2),
     Case("environment_name_with_equals", ["runtime.environment={'A=B': 1}"], "'A=B' is not a variable name", 2),
     Case("yaml_alias_bomb", [], "job.yaml: aliases (*name) expand the document to more than", 2, job_suffix=BOMB),
-    Case("yaml_nested_too_deeply", [], "job.yaml: the YAML is nested too deeply to read", 2,
-         job_suffix="deep: " + "[" * 5000 + "]" * 5000 + "\n"),
+    Case(
+        "yaml_nested_too_deeply",
+        [],
+        "job.yaml: the YAML is nested too deeply to read",
+        2,
+        job_suffix="deep: " + "[" * 5000 + "]" * 5000 + "\n",
+    ),
     Case("job_file_not_utf8", [], "job.yaml:9: not UTF-8 text (byte 0xe9)", 2, job_suffix="# caf\udce9\n"),
     Case("yaml_recursive_alias", [], "an anchor refers to itself", 2, job_suffix="loop: &loop {again: *loop}\n"),
-    Case("model_init_wrong_type", ["model.init.hidden_size=abc"],
-         "model.init: TypeError: Field 'hidden_size' expected int", 2),
-    Case("model_init_heads_do_not_divide", ["model.init.num_attention_heads=5"],
-         "not a multiple of the number of attention heads (5)", 2),
-    Case("model_init_kv_heads_do_not_divide", ["model.init.num_key_value_heads=3", "model.init.num_attention_heads=4"],
-         "num_attention_heads (4) is not a multiple of num_key_value_heads (3)", 2),
-    Case("model_path_config_wrong_type", ["model.init=null", "model.path={folder}/model"],
-         "model/config.json: TypeError: Field 'hidden_size'", 2,
-         {"model/config.json": '{"model_type": "llama", "hidden_size": "wide", "num_attention_heads": 2}'}),
-    Case("reward_module_syntax_error", ["train.train_type=grpo", "reward={function: 'broken_reward:score'}"],
-         "broken_reward.py:1: invalid syntax", 2, {"broken_reward.py": "def score(:\n    return 1\n"}),
-    Case("cpu_adam_without_offload", ["deepspeed.optimizer=cpu_adam"],
-         "cpu_adam needs deepspeed.offload_optimizer: cpu", 2),
+    Case(
+        "model_init_wrong_type",
+        ["model.init.hidden_size=abc"],
+        "model.init: TypeError: Field 'hidden_size' expected int",
+        2,
+    ),
+    Case(
+        "model_init_heads_do_not_divide",
+        ["model.init.num_attention_heads=5"],
+        "not a multiple of the number of attention heads (5)",
+        2,
+    ),
+    Case(
+        "model_init_kv_heads_do_not_divide",
+        ["model.init.num_key_value_heads=3", "model.init.num_attention_heads=4"],
+        "num_attention_heads (4) is not a multiple of num_key_value_heads (3)",
+        2,
+    ),
+    Case(
+        "model_path_config_wrong_type",
+        ["model.init=null", "model.path={folder}/model"],
+        "model/config.json: TypeError: Field 'hidden_size'",
+        2,
+        {"model/config.json": '{"model_type": "llama", "hidden_size": "wide", "num_attention_heads": 2}'},
+    ),
+    Case(
+        "reward_module_syntax_error",
+        ["train.train_type=grpo", "reward={function: 'broken_reward:score'}"],
+        "broken_reward.py:1: invalid syntax",
+        2,
+        {"broken_reward.py": "def score(:\n    return 1\n"},
+    ),
+    Case(
+        "cpu_adam_without_offload",
+        ["deepspeed.optimizer=cpu_adam"],
+        "cpu_adam needs deepspeed.offload_optimizer: cpu",
+        2,
+    ),
 ]
 
 
@@ -204,8 +252,14 @@ def test_output_dir_that_is_a_file(folder, capfd):
 def diverging(folder: Path, mode: str) -> tuple[str, list[str]]:
     """A run whose loss is finite at step 1 and NaN from step 2 on (a learning rate of 1e30, no clipping),
     publishing a checkpoint every step."""
-    overrides = ["train.lr=1e30", "train.max_grad_norm=null", "train.max_steps=3", "checkpoint.every_steps=1",
-                 f"train.on_nonfinite={mode}", "train.lr_schedule=constant"]
+    overrides = [
+        "train.lr=1e30",
+        "train.max_grad_norm=null",
+        "train.max_steps=3",
+        "checkpoint.every_steps=1",
+        f"train.on_nonfinite={mode}",
+        "train.lr_schedule=constant",
+    ]
     return write_case(folder, Case("", [], "", 1)), overrides
 
 
@@ -247,7 +301,7 @@ def listening_sockets() -> list[str]:
         except OSError:
             continue
         if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
+            inodes.add(target[len("socket:[") : -1])
     found = []
     for table in ("tcp", "tcp6"):
         for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
@@ -310,8 +364,10 @@ def test_read_only_and_full_output_folders(tmp_path):
     )
     finished = run_bounded(["unshare", "-m", "sh", "-c", script], timeout=300, cwd=REPO, env=child_env())
     parts = dict(part.split("\n", 1) for part in finished.stderr.split("::case ")[1:])
-    expected = {"readonly": f"{tmp_path}/readonly/run: EROFS: Read-only file system (output_dir: ",
-                "full": "ENOSPC: No space left on device"}
+    expected = {
+        "readonly": f"{tmp_path}/readonly/run: EROFS: Read-only file system (output_dir: ",
+        "full": "ENOSPC: No space left on device",
+    }
     for name, fragment in expected.items():
         output, _, code = parts[name].rpartition("::exit ")
         assert code.strip() == "1", output[-3000:]
@@ -341,9 +397,18 @@ def test_a_taken_rendezvous_port_is_named(tmp_path):
 
 # ----------------------------------------------------------------------------- the count
 
-RUNTIME_CASES = ["non_utf8_row", "non_utf8_row_skipped", "truncated_safetensors", "output_dir_a_file", "nonfinite_stop",
-                 "nonfinite_skip_step", "single_rank_listens_on_loopback", "output_dir_read_only", "output_dir_full",
-                 "rendezvous_port_taken"]
+RUNTIME_CASES = [
+    "non_utf8_row",
+    "non_utf8_row_skipped",
+    "truncated_safetensors",
+    "output_dir_a_file",
+    "nonfinite_stop",
+    "nonfinite_skip_step",
+    "single_rank_listens_on_loopback",
+    "output_dir_read_only",
+    "output_dir_full",
+    "rendezvous_port_taken",
+]
 CASES_TOTAL = len(CONFIG_CASES) + len(RUNTIME_CASES)
 
 

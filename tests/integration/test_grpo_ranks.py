@@ -53,8 +53,13 @@ def launched(tmp_path_factory):
     add("split_b", REPLAY + ["train.max_steps=4"], config_name="split")
     # zero3_init off: partitioned loading (transformers' HfDeepSpeedConfig) needs `accelerate`, which
     # this environment lacks; DeepSpeed partitions the loaded copy instead. Generation is what is tested.
-    add("zero3", ["deepspeed.zero_stage=3", "model.zero3_init=false", "train.max_steps=2"])  # samples from a plain copy (default)
-    add("zero3_gather", ["deepspeed.zero_stage=3", "model.zero3_init=false", "train.max_steps=2", "rollout.zero3_generation=gather"])
+    add(
+        "zero3", ["deepspeed.zero_stage=3", "model.zero3_init=false", "train.max_steps=2"]
+    )  # samples from a plain copy (default)
+    add(
+        "zero3_gather",
+        ["deepspeed.zero_stage=3", "model.zero3_init=false", "train.max_steps=2", "rollout.zero3_generation=gather"],
+    )
     add("geometry", ["rl.minibatch_size=48", "train.max_steps=2"], expect_error="rl.minibatch_size 48")
     return folder, launch_plan(folder, runs)
 
@@ -68,8 +73,22 @@ def test_reward_rises_on_the_arithmetic_task(launched):
     first, last = sum(rewards[:20]) / 20, sum(rewards[-20:]) / 20
     assert last - first > 0.08, (first, last, rewards)
     assert last > 0.25
-    for field in ("reward_mean", "reward_std", "kl", "clip_frac", "entropy", "response_len_mean", "rollout_s", "train_s",
-                  "policy_version", "loss", "lr", "grad_norm", "truncated_frac", "samples"):
+    for field in (
+        "reward_mean",
+        "reward_std",
+        "kl",
+        "clip_frac",
+        "entropy",
+        "response_len_mean",
+        "rollout_s",
+        "train_s",
+        "policy_version",
+        "loss",
+        "lr",
+        "grad_norm",
+        "truncated_frac",
+        "samples",
+    ):
         assert field in records[-1], field
     # One optimizer step per rollout; the first update starts from the reference (k3 KL exactly 0).
     assert [r["policy_version"] for r in records[:3]] == [1, 2, 3] and records[0]["kl"] == pytest.approx(0.0, abs=1e-6)
@@ -97,7 +116,9 @@ def test_zero3_rollout_runs(launched):
     folder, results = launched
     assert results["zero3"]["ok"], results["zero3"]
     records = metrics(folder, "zero3")
-    assert len(records) == 2 and records[0]["kl"] == pytest.approx(0.0, abs=1e-6) and 0 <= records[0]["reward_mean"] <= 1
+    assert (
+        len(records) == 2 and records[0]["kl"] == pytest.approx(0.0, abs=1e-6) and 0 <= records[0]["reward_mean"] <= 1
+    )
 
 
 def test_zero3_plain_copy_samples_what_the_partitioned_module_samples(launched):
@@ -113,4 +134,7 @@ def test_zero3_plain_copy_samples_what_the_partitioned_module_samples(launched):
 def test_batch_geometry_error_says_what_to_set(launched):
     _, results = launched
     error = results["geometry"]["error"]
-    assert not results["geometry"]["ok"] and "train.micro_batch_size 16 x train.grad_accum_steps 4 x 2 ranks = 128" in error
+    assert (
+        not results["geometry"]["ok"]
+        and "train.micro_batch_size 16 x train.grad_accum_steps 4 x 2 ranks = 128" in error
+    )

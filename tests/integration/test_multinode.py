@@ -32,7 +32,9 @@ RENDERED = {"ASTR_TEST_JOB_TOKEN": "two nodes, one job", "ASTR_TEST_FLAG": "1", 
 def write_two_node_job(folder: Path) -> str:
     """The tiny SFT job of plan.py, 3 steps with a checkpoint every 2, on two one-rank nodes."""
     text = TINY_JOB.format(output_dir=folder / "run", data=DATA["sft"], train_type="sft")
-    text = text.replace("max_steps: 12", "max_steps: 3").replace("runtime:\n", f"runtime:\n  environment: {json.dumps(ENVIRONMENT)}\n")
+    text = text.replace("max_steps: 12", "max_steps: 3").replace(
+        "runtime:\n", f"runtime:\n  environment: {json.dumps(ENVIRONMENT)}\n"
+    )
     text += "checkpoint:\n  every_steps: 2\n"
     text += f"infra:\n  launcher: no_ssh\n  nodes: [{{host: 127.0.0.1, slots: 1}}, {{host: 127.0.0.2, slots: 1}}]\n  master_addr: 127.0.0.1\n  master_port: {free_port()}\n"
     path = folder / "job.yaml"
@@ -47,7 +49,11 @@ def launch_two_nodes(folder: Path, config: str, *extra: str) -> list[tuple[int, 
         log = open(folder / f"node{node_rank}.log", "w")
         command = [python(), "-m", "astrai", "launch", "--config", config, "--node-rank", str(node_rank), *extra]
         # Own session: on a timeout the whole tree (launch -> deepspeed -> ranks) is killed, nothing leaks.
-        processes.append(subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        processes.append(
+            subprocess.Popen(
+                command, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        )
         logs.append(log)
     results = []
     try:
@@ -78,13 +84,17 @@ def test_two_nodes_train_with_zero2_and_publish_a_verified_checkpoint(tmp_path):
     assert verify_checkpoint(published[-1][1]).step == 3  # every file re-hashed against the manifest
     manifest = json.loads((published[-1][1] / "manifest.json").read_text())
     assert manifest["world_size"] == 2
-    assert manifest["meta"]["zero_stage"] == {"policy": 2} and manifest["meta"]["world_size"] == 2  # the job's ZeRO-2, across both nodes
+    assert (
+        manifest["meta"]["zero_stage"] == {"policy": 2} and manifest["meta"]["world_size"] == 2
+    )  # the job's ZeRO-2, across both nodes
     for rank in (0, 1):
         facts = rank_report(tmp_path, rank)
         assert (facts["rank"], facts["node_rank"], facts["local_rank"], facts["world_size"]) == (rank, rank, 0, 2)
         assert (facts["device"], facts["backend"], facts["joined_process_group"]) == ("cpu", "gloo", True)
         assert facts["environment"] == RENDERED, f"rank {rank}"
-        assert facts["environment_at_exec"] == RENDERED, f"rank {rank}: the launcher did not deliver the job's environment"
+        assert facts["environment_at_exec"] == RENDERED, (
+            f"rank {rank}: the launcher did not deliver the job's environment"
+        )
     preflight = json.loads((tmp_path / "run" / "ranks" / "preflight.json").read_text())
     assert preflight["problems"] == [] and [node["ranks"] for node in preflight["nodes"]] == [[0], [1]]
 

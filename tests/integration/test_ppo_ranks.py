@@ -42,11 +42,51 @@ runtime: {{progress_bar: false, tensorboard: false}}
 TREND_STEPS = 60
 # Replay twice, checkpoint every 2 steps, an adaptive KL coefficient (its state must cross the checkpoint)
 # and the critic in its own ZeRO-3 engine beside a ZeRO-2 policy.
-RESUME = ["rl.epochs_per_rollout=2", "checkpoint.every_steps=2", "rl.target_kl=0.001", "rl.kl_horizon=500", "critic.zero_stage=3"]
-COMPARED = ("reward_mean", "loss", "policy_loss", "value_loss", "kl", "kl_coef", "clip_frac", "value_clip_frac", "approx_kl", "entropy",
-            "values_mean", "returns_mean", "advantages_mean", "advantages_std", "explained_variance", "critic_grad_norm", "policy_grad_norm")
-METRICS = ("reward_mean", "kl", "policy_loss", "value_loss", "clip_frac", "value_clip_frac", "approx_kl", "entropy", "advantages_mean",
-           "advantages_std", "returns_mean", "values_mean", "explained_variance", "policy_grad_norm", "critic_grad_norm", "rollout_s", "train_s")
+RESUME = [
+    "rl.epochs_per_rollout=2",
+    "checkpoint.every_steps=2",
+    "rl.target_kl=0.001",
+    "rl.kl_horizon=500",
+    "critic.zero_stage=3",
+]
+COMPARED = (
+    "reward_mean",
+    "loss",
+    "policy_loss",
+    "value_loss",
+    "kl",
+    "kl_coef",
+    "clip_frac",
+    "value_clip_frac",
+    "approx_kl",
+    "entropy",
+    "values_mean",
+    "returns_mean",
+    "advantages_mean",
+    "advantages_std",
+    "explained_variance",
+    "critic_grad_norm",
+    "policy_grad_norm",
+)
+METRICS = (
+    "reward_mean",
+    "kl",
+    "policy_loss",
+    "value_loss",
+    "clip_frac",
+    "value_clip_frac",
+    "approx_kl",
+    "entropy",
+    "advantages_mean",
+    "advantages_std",
+    "returns_mean",
+    "values_mean",
+    "explained_variance",
+    "policy_grad_norm",
+    "critic_grad_norm",
+    "rollout_s",
+    "train_s",
+)
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +105,20 @@ def launched(tmp_path_factory):
     add("split_a", RESUME + ["train.max_steps=2"], config_name="split")
     add("split_b", RESUME, config_name="split")
     # The same resume with both engines on another ZeRO stage (policy 2 -> 3, critic 3 -> 2): both convert.
-    add("restaged", RESUME + ["deepspeed.zero_stage=3", "critic.zero_stage=2", f"checkpoint.resume={folder / 'split' / 'checkpoints' / 'step_00000002'}"])
+    add(
+        "restaged",
+        RESUME
+        + [
+            "deepspeed.zero_stage=3",
+            "critic.zero_stage=2",
+            f"checkpoint.resume={folder / 'split' / 'checkpoints' / 'step_00000002'}",
+        ],
+    )
     # A checkpoint with a policy but no critic (as a grpo job leaves): refused before any step.
     lacking = folder / "lacking" / "step_00000002"
-    CheckpointPublisher(lacking.parent, parts=["policy"]).publish(2, lambda staging: (staging / "policy").mkdir() or (staging / "policy" / "w").write_text("x"))
+    CheckpointPublisher(lacking.parent, parts=["policy"]).publish(
+        2, lambda staging: (staging / "policy").mkdir() or (staging / "policy" / "w").write_text("x")
+    )
     add("no_critic", [f"checkpoint.resume={lacking}"], expect_error="lacks the part(s) critic")
     return folder, launch_plan(folder, runs)
 
@@ -86,7 +136,11 @@ def test_reward_rises_and_the_critic_explains_variance(launched, name):
     for field in METRICS:
         assert field in records[-1], field
     # The zero-initialised head: the first rollout's values are exactly 0, so is its explained variance.
-    assert records[0]["values_mean"] == 0.0 and records[0]["explained_variance"] == 0.0 and records[0]["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert (
+        records[0]["values_mean"] == 0.0
+        and records[0]["explained_variance"] == 0.0
+        and records[0]["kl"] == pytest.approx(0.0, abs=1e-6)
+    )
     assert [r["policy_version"] for r in records[:3]] == [2, 4, 6]
     rewards = [r["reward_mean"] for r in records]
     explained = [r["explained_variance"] for r in records]
@@ -108,7 +162,10 @@ def test_exact_resume_of_policy_critic_and_kl_controller(launched):
     manifest = json.loads((checkpoint / "manifest.json").read_text())
     assert manifest["parts"] == ["critic", "policy"] and manifest["meta"]["zero_stage"] == {"critic": 3, "policy": 2}
     state = json.loads((checkpoint / "trainer_state.json").read_text())
-    assert state["policy_version"] == 16 and state["strategy"]["kl_controller"]["value"] not in (0.05, straight[0]["kl_coef"])
+    assert state["policy_version"] == 16 and state["strategy"]["kl_controller"]["value"] not in (
+        0.05,
+        straight[0]["kl_coef"],
+    )
 
 
 def test_resume_on_other_zero_stages_converts_policy_and_critic(launched):
@@ -118,12 +175,24 @@ def test_resume_on_other_zero_stages_converts_policy_and_critic(launched):
     assert results["restaged"]["ok"], results["restaged"]
     straight, restaged = metrics(folder, "straight")[2:], metrics(folder, "restaged")
     assert [r["step"] for r in restaged] == [3, 4] and [r["policy_version"] for r in restaged] == [12, 16]
-    for field in ("reward_mean", "loss", "policy_loss", "value_loss", "kl", "kl_coef", "values_mean", "returns_mean", "explained_variance"):
+    for field in (
+        "reward_mean",
+        "loss",
+        "policy_loss",
+        "value_loss",
+        "kl",
+        "kl_coef",
+        "values_mean",
+        "returns_mean",
+        "explained_variance",
+    ):
         assert [r[field] for r in restaged] == pytest.approx([r[field] for r in straight], rel=1e-4, abs=1e-6), field
     portable = folder / "split" / "checkpoints" / "portable" / "step_00000002"
     assert json.loads((portable / "manifest.json").read_text())["parts"] == ["critic", "policy"]
     for part in ("policy", "critic"):
-        assert (portable / part / "fp32.safetensors").is_file() and (portable / part / "exp_avg_sq.safetensors").is_file()
+        assert (portable / part / "fp32.safetensors").is_file() and (
+            portable / part / "exp_avg_sq.safetensors"
+        ).is_file()
     manifest = json.loads((folder / "restaged" / "checkpoints" / "step_00000004" / "manifest.json").read_text())
     assert manifest["meta"]["zero_stage"] == {"critic": 2, "policy": 3}
 

@@ -16,14 +16,24 @@ pytestmark = pytest.mark.slow
 def test_quickstart_job_runs_through_the_real_launcher(tmp_path):
     output = tmp_path / "quickstart"
     arguments = [
-        "astrai/train.py", "--config", "configs/quickstart.yaml",
-        "--set", "train.max_steps=40", "--set", f"output_dir={output}", "--set", f"export.hf_dir={output / 'hf'}",
-        "--set", "checkpoint.every_steps=10",  # 4 publishes: the job's keep_last: 2 retires two of them
+        "astrai/train.py",
+        "--config",
+        "configs/quickstart.yaml",
+        "--set",
+        "train.max_steps=40",
+        "--set",
+        f"output_dir={output}",
+        "--set",
+        f"export.hf_dir={output / 'hf'}",
+        "--set",
+        "checkpoint.every_steps=10",  # 4 publishes: the job's keep_last: 2 retires two of them
     ]
     network_log = tmp_path / "network.log"  # launched from a user's environment: nothing may leave the machine
     result = launch_ranks(arguments, ranks=1, timeout=600, env=user_env(network_log))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert len(network_log.with_name("network.log.pids").read_text().split()) >= 3  # the spy watched launcher, launch.py and rank
+    assert (
+        len(network_log.with_name("network.log.pids").read_text().split()) >= 3
+    )  # the spy watched launcher, launch.py and rank
     assert not network_log.exists(), network_log.read_text()
     records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, 41))

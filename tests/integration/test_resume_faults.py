@@ -46,7 +46,10 @@ EXTRA_SAVE_KILLS = 4  # more kills inside saves while fewer than two of the abov
 SEED = int(os.environ.get("ASTRAI_FAULT_SEED", "20240611"))  # another seed: other moments
 RUN_TIMEOUT_S = 120
 SETTINGS = [
-    f"train.max_steps={MAX_STEPS}", "checkpoint.every_steps=1", "train.lr_schedule=linear", "train.warmup_steps=3",
+    f"train.max_steps={MAX_STEPS}",
+    "checkpoint.every_steps=1",
+    "train.lr_schedule=linear",
+    "train.warmup_steps=3",
 ]
 
 
@@ -66,12 +69,18 @@ class Job:
         """`python astrai/train.py` in a session of its own (a kill takes all of it); output to a log file."""
         self.runs += 1
         log = self.folder / f"run{self.runs}.log"
-        environment = {key: value for key, value in child_env().items() if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        environment = {
+            key: value
+            for key, value in child_env().items()
+            if key not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+        }
         overrides = [f"data.path={self.folder / 'rows.jsonl'}", *SETTINGS, *extra]
         command = [sys.executable, str(REPO / "astrai/train.py"), "--config", self.config]
         command += [argument for override in overrides for argument in ("--set", override)]
         with open(log, "w") as handle:
-            process = subprocess.Popen(command, cwd=REPO, env=environment, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+            process = subprocess.Popen(
+                command, cwd=REPO, env=environment, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
+            )
         return process, log
 
     def run(self, *extra: str) -> tuple[int, str]:
@@ -122,7 +131,9 @@ def kill_at_random_moment(job: Job, where: str, rng: random.Random, *extra: str)
         finished_by_itself = process.poll() is not None
     finally:
         kill(process)
-    assert not finished_by_itself and process.returncode == -signal.SIGKILL, f"the run was not killed:\n{log.read_text()[-3000:]}"
+    assert not finished_by_itself and process.returncode == -signal.SIGKILL, (
+        f"the run was not killed:\n{log.read_text()[-3000:]}"
+    )
     return {"where": where, "count": count, "delay_s": delay}
 
 
@@ -141,7 +152,11 @@ def check_after_kill(job: Job) -> dict:
         assert read_manifest(latest).step == step
         assert json.loads((latest / "trainer_state.json").read_text())["step"] == step
         assert find_latest(job.checkpoints, verify=True) == latest
-    return {"checkpoint_step": step, "staging_left": any(kind == "staging" for kind, _, _ in hidden), "logged": job.logged_steps()}
+    return {
+        "checkpoint_step": step,
+        "staging_left": any(kind == "staging" for kind, _, _ in hidden),
+        "logged": job.logged_steps(),
+    }
 
 
 def records(path: Path) -> list[dict]:
@@ -168,7 +183,11 @@ def history(tmp_path_factory):
         kills.append({**moment, **check_after_kill(job)})
     ahead_of = kills[-1]["checkpoint_step"]  # what a kill between the metrics flush and the rename leaves (module doc)
     with open(job.metrics, "a") as log:
-        log.write(("" if job.metrics.read_text().endswith("\n") else "\n") + json.dumps({"step": ahead_of + 1, "loss": -1.0}) + "\n")
+        log.write(
+            ("" if job.metrics.read_text().endswith("\n") else "\n")
+            + json.dumps({"step": ahead_of + 1, "loss": -1.0})
+            + "\n"
+        )
         log.write('{"step": %d, "lo' % (ahead_of + 2))
     resumed_code, resumed_log = job.run("checkpoint.async_save=true")  # the reference below saves synchronously
     resumed_hidden = list_hidden(job.checkpoints)
@@ -182,14 +201,19 @@ def history(tmp_path_factory):
     newest = find_latest(job.checkpoints)
     published = [step for step, _ in list_published(job.checkpoints)]
     before_fallback = {"published": published, "newest": newest, "hidden": list_hidden(job.checkpoints)}
-    shard = max((path for path in (newest / "policy").rglob("*") if path.is_file()), key=lambda path: path.stat().st_size)
+    shard = max(
+        (path for path in (newest / "policy").rglob("*") if path.is_file()), key=lambda path: path.stat().st_size
+    )
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
     fallback_code, fallback_log = job.run("checkpoint.verify_on_load=true", f"train.max_steps={MAX_STEPS + 3}")
     return {
-        "job": job, "kills": kills, "ahead_of": ahead_of,
-        "resumed": (resumed_code, resumed_log, resumed_hidden), "straight": (straight_code, straight_log, republished),
+        "job": job,
+        "kills": kills,
+        "ahead_of": ahead_of,
+        "resumed": (resumed_code, resumed_log, resumed_hidden),
+        "straight": (straight_code, straight_log, republished),
         "fallback": (fallback_code, fallback_log, shard.relative_to(newest).as_posix(), newest),
         "before_fallback": before_fallback,
     }
@@ -199,7 +223,9 @@ def test_every_kill_leaves_the_newest_checkpoint_valid(history):
     kills = history["kills"]
     # The kills did land inside saves (a staging folder left behind).
     assert sum(kill["staging_left"] for kill in kills) >= 2, kills
-    assert all(kill["logged"] >= kill["checkpoint_step"] for kill in kills), kills  # metrics durable before each publish
+    assert all(kill["logged"] >= kill["checkpoint_step"] for kill in kills), (
+        kills
+    )  # metrics durable before each publish
     steps = [kill["checkpoint_step"] for kill in kills]
     assert steps == sorted(steps) and 0 < steps[-1] < MAX_STEPS, kills  # runs resumed and progressed, none finished
 
@@ -225,12 +251,16 @@ def test_resume_never_starts_fresh_and_killed_runs_equal_the_straight_run(histor
     assert "resumed from" not in log and f"done: {MAX_STEPS} steps" in log
     straight = records(job.folder / "straight_metrics.jsonl")
     resumed = records(job.folder / "resumed_metrics.jsonl")
-    assert [record["step"] for record in straight] == list(range(1, MAX_STEPS + 1))  # from step 1, into a dir with checkpoints
+    assert [record["step"] for record in straight] == list(
+        range(1, MAX_STEPS + 1)
+    )  # from step 1, into a dir with checkpoints
     # The warmup and the decay are in the log: a schedule restarted (or not restored) at a resume would differ.
     lrs = [record["lr"] for record in straight]
     assert lrs[0] < lrs[1] < lrs[2] and lrs[3] > lrs[MAX_STEPS // 2] > lrs[-2] > lrs[-1] >= 0
     assert [record["lr"] for record in resumed] == pytest.approx(lrs, rel=1e-9)
-    assert [record["loss"] for record in resumed] == pytest.approx([record["loss"] for record in straight], rel=1e-6, abs=1e-7)
+    assert [record["loss"] for record in resumed] == pytest.approx(
+        [record["loss"] for record in straight], rel=1e-6, abs=1e-7
+    )
     assert [record["samples"] for record in resumed] == [record["samples"] for record in straight]
     # The fresh run republished its steps over the old checkpoints (a new manifest, no retired copy left).
     assert republished and history["before_fallback"]["published"] == list(range(1, MAX_STEPS + 1))

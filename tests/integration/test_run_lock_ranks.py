@@ -151,6 +151,7 @@ def test_one_writer_per_output_dir_and_ranks_die_with_their_launcher(tmp_path):
     # C takes the output_dir, resumes A's newest checkpoint and publishes more; then its whole tree is SIGKILLed.
     third = start_long_job(output_dir, tmp_path / "third.log")
     try:
+
         def joined_anew():
             found = rank_pids(output_dir)
             return found if found and not set(found.values()) & set(pids.values()) else None

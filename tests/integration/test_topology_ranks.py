@@ -62,15 +62,23 @@ def runs(tmp_path_factory):
         return {"name": name, "config": job[name], "set": COMMON + sets + ["train.max_steps=8"]}
 
     def resumed(name, source, sets):
-        return {"name": name, "config": job[name], "set": COMMON + sets + ["train.max_steps=8", f"checkpoint.resume={folder / source / STEP4}"]}
+        return {
+            "name": name,
+            "config": job[name],
+            "set": COMMON + sets + ["train.max_steps=8", f"checkpoint.resume={folder / source / STEP4}"],
+        }
 
     results = launch_plan(folder, [straight("w1", ON_ONE + ["deepspeed.zero_stage=2"])], ranks=1)
-    results |= launch_plan(folder, [
-        straight("w2z2", ON_TWO + ["deepspeed.zero_stage=2"]),
-        straight("w2z3", ON_TWO + ["deepspeed.zero_stage=3"]),
-        resumed("w1_to_w2z3", "w1", ON_TWO + ["deepspeed.zero_stage=3"]),
-        resumed("z3_to_z2", "w2z3", ON_TWO + ["deepspeed.zero_stage=2"]),
-    ], ranks=2)
+    results |= launch_plan(
+        folder,
+        [
+            straight("w2z2", ON_TWO + ["deepspeed.zero_stage=2"]),
+            straight("w2z3", ON_TWO + ["deepspeed.zero_stage=3"]),
+            resumed("w1_to_w2z3", "w1", ON_TWO + ["deepspeed.zero_stage=3"]),
+            resumed("z3_to_z2", "w2z3", ON_TWO + ["deepspeed.zero_stage=2"]),
+        ],
+        ranks=2,
+    )
     (folder / "launch.log").rename(folder / "launch_two_ranks.log")  # the next launch writes its own
     source = folder / "w2z2" / STEP4
     tools = {"killed": convert_tool(source, kill_mid_write=True)}
@@ -119,7 +127,9 @@ def test_converted_form_sits_next_to_the_untouched_original(runs, source, world_
     manifest = read_manifest(folder / resumed / "checkpoints" / "step_00000008")
     assert manifest.meta["world_size"] == world_size and manifest.meta["zero_stage"] == {"policy": stage}
     assert manifest.meta["precision"] == {"policy": "fp32"}  # CPU ranks train in fp32
-    assert read_manifest(original).meta["precision"] == {"policy": "fp32"} and meta["source"]["precision"] == {"policy": "fp32"}
+    assert read_manifest(original).meta["precision"] == {"policy": "fp32"} and meta["source"]["precision"] == {
+        "policy": "fp32"
+    }
 
 
 def test_export_reads_the_portable_form(runs, tmp_path):
@@ -128,12 +138,16 @@ def test_export_reads_the_portable_form(runs, tmp_path):
 
     folder, _, _ = runs
     original = folder / "w2z3" / STEP4
-    exports = {name: export_checkpoint(path, tmp_path / name) for name, path in
-               (("original", original), ("portable", original.parent / "portable" / original.name))}
+    exports = {
+        name: export_checkpoint(path, tmp_path / name)
+        for name, path in (("original", original), ("portable", original.parent / "portable" / original.name))
+    }
     weights = {name: load_file(str(path / "model.safetensors")) for name, path in exports.items()}
     assert weights["original"].keys() == weights["portable"].keys() and len(weights["original"]) > 5
     assert all(torch.equal(weights["original"][key], weights["portable"][key]) for key in weights["original"])
-    assert (exports["portable"] / "tokenizer.json").is_file() or (exports["portable"] / "tokenizer_config.json").is_file()
+    assert (exports["portable"] / "tokenizer.json").is_file() or (
+        exports["portable"] / "tokenizer_config.json"
+    ).is_file()
 
 
 def test_conversion_is_logged_with_the_rules(runs):
@@ -153,7 +167,9 @@ def test_conversion_is_logged_with_the_rules(runs):
     two_ranks = (folder / "launch_two_ranks.log").read_text()
     assert two_ranks.count(data_rule.format(global_=8, per_rank=4, before=1, after=2, saved=8)) == 1
     assert two_ranks.count(rng_rule.format(before=1, after=2)) == 1
-    assert two_ranks.count("data position: continuing") == 1 and "RNG: each rank's saved state restored" not in two_ranks
+    assert (
+        two_ranks.count("data position: continuing") == 1 and "RNG: each rank's saved state restored" not in two_ranks
+    )
 
 
 def test_killed_conversion_then_convert_tool(runs):

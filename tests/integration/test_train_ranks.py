@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 
 import pytest
 
@@ -32,7 +31,9 @@ def trained(tmp_path_factory):
     for train_type in ("sft", "seq"):
         for stage in (2, 3):
             add(f"{train_type}_z{stage}", train_type, [f"deepspeed.zero_stage={stage}"])
-    next(r for r in runs if r["name"] == "sft_z2")["set"].append("export.on_finish=true")  # the DPO runs' other reference
+    next(r for r in runs if r["name"] == "sft_z2")["set"].append(
+        "export.on_finish=true"
+    )  # the DPO runs' other reference
     add("sft_z1", "sft", ["deepspeed.zero_stage=1", "train.max_steps=3", "export.on_finish=true"])
     add("accumulate_2x2", "sft", ["train.micro_batch_size=2", "train.grad_accum_steps=2", "train.max_steps=3"])
     add("accumulate_4x1", "sft", ["train.micro_batch_size=4", "train.grad_accum_steps=1", "train.max_steps=3"])
@@ -45,15 +46,29 @@ def trained(tmp_path_factory):
     # checkpoint.async_save: straight_z3's training, its saves at 2, 4 and 6 hashed, fsynced and published
     # from a background thread while both ranks train on (8, the final one, synchronously); then a run
     # resuming from step 6, a checkpoint published that way.
-    add("async_z3", "sft", ["deepspeed.zero_stage=3", "checkpoint.every_steps=2", "train.max_steps=8", "checkpoint.async_save=true"])
-    add("async_resume", "sft", ["deepspeed.zero_stage=3", "train.max_steps=8", f"checkpoint.resume={folder / 'async_z3' / 'checkpoints' / 'step_00000006'}"])
+    add(
+        "async_z3",
+        "sft",
+        ["deepspeed.zero_stage=3", "checkpoint.every_steps=2", "train.max_steps=8", "checkpoint.async_save=true"],
+    )
+    add(
+        "async_resume",
+        "sft",
+        [
+            "deepspeed.zero_stage=3",
+            "train.max_steps=8",
+            f"checkpoint.resume={folder / 'async_z3' / 'checkpoints' / 'step_00000006'}",
+        ],
+    )
     # Resume from a plain DeepSpeed folder (no manifest): the policy/ folder of split_z2's step 4,
     # copied by the test before the launch would be too early, so point straight at it.
     legacy_source = folder / "split_z2" / "checkpoints" / "step_00000004" / "policy"
     add("legacy", "sft", ["deepspeed.zero_stage=2", "train.max_steps=8", f"checkpoint.resume={legacy_source}"])
     # A checkpoint without the policy part: resume must refuse before any step.
     lacking = folder / "lacking" / "step_00000003"
-    CheckpointPublisher(lacking.parent, parts=["critic"]).publish(3, lambda staging: (staging / "critic").mkdir() or (staging / "critic" / "w").write_text("x"))
+    CheckpointPublisher(lacking.parent, parts=["critic"]).publish(
+        3, lambda staging: (staging / "critic").mkdir() or (staging / "critic" / "w").write_text("x")
+    )
     add("refuse", "sft", ["train.max_steps=8", f"checkpoint.resume={lacking}"], expect_error="lacks")
     # A from-scratch model cannot do arithmetic, so DPO's signal here is 16 pairs seen for 6 epochs:
     # the policy must learn to prefer each chosen answer over its rejected one.
@@ -66,13 +81,32 @@ def trained(tmp_path_factory):
     # The shipped configs/dpo.yaml from an SFT export of this launch (sft_z1: 3 steps), small sizes; as
     # shipped (ZeRO-2), then with the policy and the reference both loaded partitioned (ZeRO-3), then
     # against another reference (sft_z2's export: 12 steps).
-    shipped = [f"data.path={pairs}", f"model.path={folder / 'sft_z1' / 'hf'}", "train.max_steps=3", "train.micro_batch_size=4",
-               "data.max_seq_len=32", "runtime.progress_bar=false", "runtime.tensorboard=false"]
+    shipped = [
+        f"data.path={pairs}",
+        f"model.path={folder / 'sft_z1' / 'hf'}",
+        "train.max_steps=3",
+        "train.micro_batch_size=4",
+        "data.max_seq_len=32",
+        "runtime.progress_bar=false",
+        "runtime.tensorboard=false",
+    ]
     config = str(REPO / "configs/dpo.yaml")
     runs.append({"name": "dpo_config", "config": config, "set": shipped + [f"output_dir={folder / 'dpo_config'}"]})
-    runs.append({"name": "dpo_path_z3", "config": config, "set": shipped + [f"output_dir={folder / 'dpo_path_z3'}", "deepspeed.zero_stage=3", "train.max_steps=1"]})
+    runs.append(
+        {
+            "name": "dpo_path_z3",
+            "config": config,
+            "set": shipped + [f"output_dir={folder / 'dpo_path_z3'}", "deepspeed.zero_stage=3", "train.max_steps=1"],
+        }
+    )
     other = ["deepspeed.zero_stage=3", "train.max_steps=1", f"model.reference_path={folder / 'sft_z2' / 'hf'}"]
-    runs.append({"name": "dpo_other_reference", "config": config, "set": shipped + [f"output_dir={folder / 'dpo_other_reference'}"] + other})
+    runs.append(
+        {
+            "name": "dpo_other_reference",
+            "config": config,
+            "set": shipped + [f"output_dir={folder / 'dpo_other_reference'}"] + other,
+        }
+    )
     dpo_split = write_job(folder, "dpo_split", "dpo")
     runs.append({"name": "dpo_split_a", "config": dpo_split, "set": ["checkpoint.every_steps=4", "train.max_steps=4"]})
     runs.append({"name": "dpo_split_b", "config": dpo_split, "set": ["checkpoint.every_steps=4", "train.max_steps=8"]})
@@ -179,10 +213,20 @@ def test_dpo_learns_the_preference_under_zero3(trained):
     folder, results = trained
     assert results["dpo_z3"]["ok"], results["dpo_z3"]
     records = metrics(folder, "dpo_z3")
-    for field in ("loss", "rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "logps_chosen", "logps_rejected"):
+    for field in (
+        "loss",
+        "rewards_chosen",
+        "rewards_rejected",
+        "reward_margin",
+        "reward_accuracy",
+        "logps_chosen",
+        "logps_rejected",
+    ):
         assert field in records[0]
     # The policy starts equal to the reference: every implicit reward is 0 and the loss is log 2.
-    assert records[0]["loss"] == pytest.approx(0.6931, abs=1e-3) and records[0]["reward_margin"] == pytest.approx(0, abs=1e-5)
+    assert records[0]["loss"] == pytest.approx(0.6931, abs=1e-3) and records[0]["reward_margin"] == pytest.approx(
+        0, abs=1e-5
+    )
     late = records[-4:]
     late_accuracy = sum(r["reward_accuracy"] for r in late) / 4
     # It rises: from 0 (every margin is exactly 0 and accuracy counts chosen > rejected strictly).
@@ -210,7 +254,15 @@ def test_dpo_resume_is_exact(trained):
     assert [r["samples"] for r in resumed] == [r["samples"] for r in straight]
 
 
-DPO_METRICS = ("loss", "rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "logps_chosen", "logps_rejected")
+DPO_METRICS = (
+    "loss",
+    "rewards_chosen",
+    "rewards_rejected",
+    "reward_margin",
+    "reward_accuracy",
+    "logps_chosen",
+    "logps_rejected",
+)
 
 
 def test_shipped_dpo_config_runs_from_an_sft_export(trained):
@@ -230,7 +282,9 @@ def test_default_reference_equals_the_policy_start(trained, name):
     folder, results = trained
     assert results[name]["ok"], results[name]
     first = metrics(folder, name)[0]
-    assert first["loss"] == pytest.approx(math.log(2), abs=1e-4) and first["reward_margin"] == pytest.approx(0, abs=1e-5)
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-4) and first["reward_margin"] == pytest.approx(
+        0, abs=1e-5
+    )
     assert first["logps_chosen"] < 0 and first["logps_rejected"] < 0
 
 
@@ -241,5 +295,7 @@ def test_reference_path_sets_the_reference(trained):
     # Same policy and pairs as dpo_path_z3, so the policy's log-probs agree; the reference's do not.
     assert first["logps_chosen"] == pytest.approx(same_start["logps_chosen"], rel=1e-5)
     assert abs(first["reward_margin"]) > 1e-3 and first["loss"] != pytest.approx(math.log(2), abs=1e-3)
-    manifest = json.loads((folder / "dpo_other_reference" / "checkpoints" / "step_00000001" / "manifest.json").read_text())
+    manifest = json.loads(
+        (folder / "dpo_other_reference" / "checkpoints" / "step_00000001" / "manifest.json").read_text()
+    )
     assert manifest["parts"] == ["policy"] and manifest["meta"]["reference"] == str(folder / "sft_z2" / "hf")

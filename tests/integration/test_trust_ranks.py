@@ -28,7 +28,6 @@ import torch
 from astrai.checkpoint import read_manifest, verify_checkpoint
 from astrai.checkpoint.hashing import hash_file
 from astrai.checkpoint.manifest import write_manifest
-from tests.conftest import REPO
 from tests.integration.plan import launch_plan, metrics, write_job
 
 pytestmark = pytest.mark.slow
@@ -78,14 +77,31 @@ def launched(tmp_path_factory):
     marker, base_metrics = folder / "marker", folder / "base_metrics.jsonl"
     runs = [
         {"name": "base", "config": config, "set": [*COMMON, "train.max_steps=6"]},
-        {"name": "truncated", "config": config, "set": [*COMMON, "train.max_steps=8"],
-         "prepare": [f"{HERE}:truncate", str(checkpoints / "step_00000006"), RANK1_SHARD, False, str(base_metrics)]},
-        {"name": "sealed", "config": config, "set": [*COMMON, "train.max_steps=9"],
-         "prepare": [f"{HERE}:truncate", str(checkpoints / "step_00000008"), RANK1_SHARD, True]},
-        {"name": "larger", "config": config, "set": [*COMMON, "train.max_steps=10", "model.init.hidden_size=64"],
-         "expect_error": "shape"},
-        {"name": "payload", "config": config, "set": [*COMMON, "train.max_steps=10"], "expect_error": "refused",
-         "prepare": [f"{HERE}:plant_payload", str(checkpoints / "step_00000009"), RANK1_SHARD, str(marker)]},
+        {
+            "name": "truncated",
+            "config": config,
+            "set": [*COMMON, "train.max_steps=8"],
+            "prepare": [f"{HERE}:truncate", str(checkpoints / "step_00000006"), RANK1_SHARD, False, str(base_metrics)],
+        },
+        {
+            "name": "sealed",
+            "config": config,
+            "set": [*COMMON, "train.max_steps=9"],
+            "prepare": [f"{HERE}:truncate", str(checkpoints / "step_00000008"), RANK1_SHARD, True],
+        },
+        {
+            "name": "larger",
+            "config": config,
+            "set": [*COMMON, "train.max_steps=10", "model.init.hidden_size=64"],
+            "expect_error": "shape",
+        },
+        {
+            "name": "payload",
+            "config": config,
+            "set": [*COMMON, "train.max_steps=10"],
+            "expect_error": "refused",
+            "prepare": [f"{HERE}:plant_payload", str(checkpoints / "step_00000009"), RANK1_SHARD, str(marker)],
+        },
     ]
     results = launch_plan(folder, runs)
     log = (folder / "launch.log").read_text()

@@ -21,9 +21,16 @@ def tiny_model(tokenizer, seed: int = 0) -> LlamaForCausalLM:
     """A 2-layer Llama with random weights: high-entropy outputs, so sampling is diverse."""
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
     )
     return LlamaForCausalLM(config).float()
 
@@ -53,7 +60,9 @@ def online_job(train_type: str, model_init: dict, **sections) -> JobConfig:
     """A validated online job for in-process strategy tests: 3 steps, 2 prompts x 4 responses of at most 5
     tokens, micro-batch 2 x 2 accumulation; each of `sections` (e.g. rl={...}) is merged over its section."""
     raw = {
-        "output_dir": "/tmp/unused", "model": {"init": model_init}, "tokenizer": {"build": {"kind": "char"}},
+        "output_dir": "/tmp/unused",
+        "model": {"init": model_init},
+        "tokenizer": {"build": {"kind": "char"}},
         "data": {"path": "unused.jsonl"},
         "train": {"train_type": train_type, "max_steps": 3, "micro_batch_size": 2, "grad_accum_steps": 2},
         "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 5},

@@ -81,7 +81,11 @@ def test_gae_matches_plain_loop_on_random_data():
     mask = torch.tensor([[1.0 if t < length else 0.0 for t in range(response_len)] for length in lengths])
     gamma, lam = 0.97, 0.9
     advantages, returns = gae(
-        torch.tensor(rewards, dtype=torch.float64), torch.tensor(values, dtype=torch.float64), mask, gamma=gamma, lam=lam
+        torch.tensor(rewards, dtype=torch.float64),
+        torch.tensor(values, dtype=torch.float64),
+        mask,
+        gamma=gamma,
+        lam=lam,
     )
     expected_advantages, expected_returns = loop_gae(rewards, values, lengths, gamma, lam)
     assert torch.allclose(advantages, torch.tensor(expected_advantages, dtype=torch.float64))

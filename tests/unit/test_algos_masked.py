@@ -114,8 +114,10 @@ def test_global_sequence_counts_only_rows_with_tokens():
     assert masked_aggregate(values, mask, "sequence_mean").item() == pytest.approx(expected.item(), abs=1e-12)
     assert rows_with_tokens(mask).tolist() == [n > 0 for n in lengths]
     # split over 2 x 2 pieces, each divided by the one global count: the pieces sum to the whole
-    pieces = sum(masked_aggregate(values[rows], mask[rows], "global_sequence", global_sequence_count=6).item()
-                 for rows in (slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8)))
+    pieces = sum(
+        masked_aggregate(values[rows], mask[rows], "global_sequence", global_sequence_count=6).item()
+        for rows in (slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8))
+    )
     assert pieces == pytest.approx(expected.item(), abs=1e-12)
     with pytest.raises(ValueError, match="needs global_sequence_count"):
         masked_aggregate(values, mask, "global_sequence")

@@ -96,8 +96,13 @@ def test_global_aggregation_makes_micro_batches_sum_to_the_full_batch_gradient()
     summed_loss = 0.0
     for rows in splits:
         loss = ppo_policy_loss(
-            parts[rows], logp_old[rows], advantages[rows], mask[rows],
-            clip_eps=0.2, aggregation="global", global_token_count=total_tokens,
+            parts[rows],
+            logp_old[rows],
+            advantages[rows],
+            mask[rows],
+            clip_eps=0.2,
+            aggregation="global",
+            global_token_count=total_tokens,
         ).loss
         loss.backward()
         summed_loss += loss.item()
@@ -118,8 +123,13 @@ def test_global_aggregation_invariance_for_the_value_loss():
     parts = values_data.clone().requires_grad_(True)
     for rows in (slice(0, 1), slice(1, 6)):
         value_loss(
-            parts[rows], old_values[rows], returns[rows], mask[rows],
-            clip_range=0.5, aggregation="global", global_token_count=int(mask.sum()),
+            parts[rows],
+            old_values[rows],
+            returns[rows],
+            mask[rows],
+            clip_range=0.5,
+            aggregation="global",
+            global_token_count=int(mask.sum()),
         ).loss.backward()
     assert torch.allclose(parts.grad, full.grad)
 
@@ -133,7 +143,9 @@ def test_junk_in_padding_does_not_reach_loss_or_gradient():
     output.loss.backward()
     assert torch.isfinite(output.loss) and torch.isfinite(logp.grad).all() and logp.grad[0, 2].item() == 0.0
     values = torch.tensor([[1.0, 2.0, 1e30]], requires_grad=True)
-    value_output = value_loss(values, torch.tensor([[1.0, 2.0, float("nan")]]), torch.tensor([[0.0, 0.0, float("nan")]]), mask)
+    value_output = value_loss(
+        values, torch.tensor([[1.0, 2.0, float("nan")]]), torch.tensor([[0.0, 0.0, float("nan")]]), mask
+    )
     value_output.loss.backward()
     assert value_output.loss.item() == pytest.approx(0.5 * (1 + 4) / 2)
     assert torch.isfinite(values.grad).all() and values.grad[0, 2].item() == 0.0
@@ -198,7 +210,10 @@ def test_entropy_with_masked_vocabulary_is_finite():
 
 def test_broadcast_sequence_advantages():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    assert broadcast_sequence_advantages(torch.tensor([0.5, -2.0]), mask).tolist() == [[0.5, 0.5, 0.0], [-2.0, 0.0, 0.0]]
+    assert broadcast_sequence_advantages(torch.tensor([0.5, -2.0]), mask).tolist() == [
+        [0.5, 0.5, 0.0],
+        [-2.0, 0.0, 0.0],
+    ]
     with pytest.raises(ValueError, match="expected advantages"):
         broadcast_sequence_advantages(torch.tensor([0.5]), mask)
 
@@ -221,10 +236,17 @@ def test_policy_loss_rejects_bad_arguments():
 def test_a_huge_log_ratio_gives_a_finite_gradient_and_is_counted():
     """Behaviour -95, current -5, A = 1 in float32: unclamped, exp(90) is inf and the gradient NaN from a
     finite loss; clamped at 20 (the default) the token is clipped, its gradient 0, and it is counted."""
+
     def run(max_log_ratio):
         logp = torch.tensor([[-5.0, -1.0]], requires_grad=True)
-        output = ppo_policy_loss(logp, torch.tensor([[-95.0, -1.0]]), torch.ones(1, 2), torch.ones(1, 2), clip_eps=0.2,
-                                 max_log_ratio=max_log_ratio)
+        output = ppo_policy_loss(
+            logp,
+            torch.tensor([[-95.0, -1.0]]),
+            torch.ones(1, 2),
+            torch.ones(1, 2),
+            clip_eps=0.2,
+            max_log_ratio=max_log_ratio,
+        )
         output.loss.backward()
         return output, logp.grad
 
@@ -273,8 +295,16 @@ def test_sequence_importance_sampling_against_the_paper(aggregation):
     rows, tokens = sum(1 for n in lengths if n), sum(lengths)
     weights = [1.0 / rows if aggregation == "sequence_mean" else n / tokens for n in lengths]
     expected = gspo_loop(logp, logp_old, advantages, lengths, 0.2, 0.28, weights)
-    output = ppo_policy_loss(logp, logp_old, advantages, mask, clip_eps=0.2, clip_eps_high=0.28,
-                             aggregation=aggregation, importance_sampling="sequence")
+    output = ppo_policy_loss(
+        logp,
+        logp_old,
+        advantages,
+        mask,
+        clip_eps=0.2,
+        clip_eps_high=0.28,
+        aggregation=aggregation,
+        importance_sampling="sequence",
+    )
     assert output.loss.item() == pytest.approx(expected.item(), abs=1e-12)
     (loop_gradient,) = torch.autograd.grad(expected, logp)
     (gradient,) = torch.autograd.grad(output.loss, logp)
@@ -283,7 +313,8 @@ def test_sequence_importance_sampling_against_the_paper(aggregation):
         r: math.exp(sum((logp[r, t] - logp_old[r, t]).item() for t in range(n)) / n) for r, n in enumerate(lengths) if n
     }
     clipped_rows = [
-        r for r, ratio in sequence_ratio.items()
+        r
+        for r, ratio in sequence_ratio.items()
         if (advantages[r, 0] > 0 and ratio > 1.28) or (advantages[r, 0] < 0 and ratio < 0.8)
     ]
     clipped_tokens = sum(lengths[r] for r in clipped_rows)

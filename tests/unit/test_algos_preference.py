@@ -21,8 +21,10 @@ LENGTHS = [(3, 7), (1, 4), (9, 2), (5, 5)]  # (chosen, rejected) completion leng
 
 def token_logps(seed: int = 0) -> list[tuple[list[float], list[float]]]:
     generator = random.Random(seed)
+
     def side(length):
         return [-generator.uniform(0.05, 3.0) for _ in range(length)]
+
     return [(side(c), side(r)) for c, r in LENGTHS]
 
 
@@ -63,6 +65,7 @@ def finite_difference(function, pairs, pair: int, side: int, token: int, step: f
         copy = [(list(c), list(r)) for c, r in pairs]
         copy[pair][side][token] += delta
         return function(copy)
+
     return (shifted(step) - shifted(-step)) / (2 * step)
 
 

@@ -56,8 +56,24 @@ def test_launch_times_progress_fragments_on_arrival():
 
 @pytest.mark.slow
 def test_trainer_overhead_smoke(tmp_path):
-    result = run_benchmark("trainer_overhead.py", tmp_path, "--size", "tiny", "--seq-len", "32", "--steps", "3", "--warmup", "1",
-                           "--repeats", "1", "--variants", "torch_w1,astrai_w1", "--peak-seconds", "0.1")
+    result = run_benchmark(
+        "trainer_overhead.py",
+        tmp_path,
+        "--size",
+        "tiny",
+        "--seq-len",
+        "32",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--repeats",
+        "1",
+        "--variants",
+        "torch_w1,astrai_w1",
+        "--peak-seconds",
+        "0.1",
+    )
     assert {run["variant"] for run in result["runs"]} == {"torch_w1", "astrai_w1"}
     assert all(run["returncode"] == 0 and run["tokens_per_s"] > 0 for run in result["runs"])
     assert result["ratios"][0]["baseline"] == "torch_w1"
@@ -65,11 +81,27 @@ def test_trainer_overhead_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_checkpoint_cost_smoke(tmp_path):
-    result = run_benchmark("checkpoint_cost.py", tmp_path, "--sizes", "tiny", "--stages", "2", "--repeats", "1", "--hash-mib", "4", "--ranks", "1")
+    result = run_benchmark(
+        "checkpoint_cost.py",
+        tmp_path,
+        "--sizes",
+        "tiny",
+        "--stages",
+        "2",
+        "--repeats",
+        "1",
+        "--hash-mib",
+        "4",
+        "--ranks",
+        "1",
+    )
     case = result["cases"][0]
     assert case["publish/plain"]["median"] > 0 and result["hashing_gbps"]["sha256"] > 0
     assert case["publish/publish_reread"]["median"] > 0 and case["publish_reread_hash_phase_s"]["median"] > 0
-    assert case["publish_async/plain"]["median"] > 0 and case["publish_async_durable/plain"]["median"] >= case["publish_async/plain"]["median"]
+    assert (
+        case["publish_async/plain"]["median"] > 0
+        and case["publish_async_durable/plain"]["median"] >= case["publish_async/plain"]["median"]
+    )
 
 
 @pytest.mark.slow
@@ -77,19 +109,47 @@ def test_memory_scaling_smoke(tmp_path):
     result = run_benchmark("memory_scaling.py", tmp_path, "--size", "tiny", "--stages", "3", "--ranks", "1")
     ranks = result["stages"]["3"]["ranks"]
     expected = sum(result["stages"]["3"]["expected"].values())
-    assert len(ranks) == 1 and all(r["parameters"] + r["master"] + r["optimizer"] == pytest.approx(expected, rel=0.05) for r in ranks)
+    assert len(ranks) == 1 and all(
+        r["parameters"] + r["master"] + r["optimizer"] == pytest.approx(expected, rel=0.05) for r in ranks
+    )
 
 
 @pytest.mark.slow
 def test_rollout_speed_smoke(tmp_path):
-    result = run_benchmark("rollout_speed.py", tmp_path, "--size", "tiny", "--new-tokens", "4", "--prompts", "2", "--repeats", "1", "--skip-zero3")
+    result = run_benchmark(
+        "rollout_speed.py",
+        tmp_path,
+        "--size",
+        "tiny",
+        "--new-tokens",
+        "4",
+        "--prompts",
+        "2",
+        "--repeats",
+        "1",
+        "--skip-zero3",
+    )
     assert "skipped" in result or result["summary"]["generate"]["median"] > 0
 
 
 @pytest.mark.slow
 def test_step_overhead_smoke(tmp_path):
-    result = run_benchmark("step_overhead.py", tmp_path, "--size", "tiny", "--seq-len", "32", "--rounds", "2", "--block", "2",
-                           "--warmup", "1", "--ranks", "1")
+    result = run_benchmark(
+        "step_overhead.py",
+        tmp_path,
+        "--size",
+        "tiny",
+        "--seq-len",
+        "32",
+        "--rounds",
+        "2",
+        "--block",
+        "2",
+        "--warmup",
+        "1",
+        "--ranks",
+        "1",
+    )
     assert {row["baseline"] for row in result["ratios"]} == {"deepspeed", "torch"}
     assert result["zero_stage"] == 0  # AstrAI runs a one-rank ZeRO-2 job as ZeRO-0, and the baseline matches it
     assert all(result["tokens_per_s"][name]["median"] > 0 for name in ("astrai", "astrai+log", "deepspeed", "torch"))

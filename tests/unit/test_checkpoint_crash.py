@@ -89,7 +89,10 @@ def test_sigkill_at_random_moments_never_breaks_the_newest_checkpoint(tmp_path):
     for iteration in range(14):
         child = subprocess.Popen(
             [sys.executable, "-c", PUBLISH_FOREVER, str(tmp_path), str(iteration)],
-            cwd=REPOSITORY, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=REPOSITORY,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         assert child.stdout.readline().strip() == "ready", child.stderr.read()
         time.sleep(rng.uniform(0.05, 0.8))
@@ -117,8 +120,12 @@ def test_file_size_limit_fails_clearly_and_keeps_the_previous_checkpoint(tmp_pat
         resource.setrlimit(resource.RLIMIT_FSIZE, (1024 * 1024, 1024 * 1024))
 
     child = subprocess.run(
-        [sys.executable, "-c", PUBLISH_TOO_BIG, str(tmp_path)], cwd=REPOSITORY, capture_output=True, text=True,
-        timeout=60, preexec_fn=limit_file_size,
+        [sys.executable, "-c", PUBLISH_TOO_BIG, str(tmp_path)],
+        cwd=REPOSITORY,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=limit_file_size,
     )
     assert child.returncode == 3, child.stderr
     assert "checkpoint save step 2 failed in phase 'write' on rank 0" in child.stdout

@@ -15,11 +15,11 @@ from astrai.checkpoint import (
     StreamedFiles,
     cleanup_stale,
     find_latest,
+    fs,
     read_manifest,
     step_dir_name,
     verify_checkpoint,
 )
-from astrai.checkpoint import fs
 from astrai.checkpoint.layout import list_hidden
 from astrai.checkpoint.manifest import MANIFEST_NAME
 
@@ -137,7 +137,9 @@ def test_the_job_default_hash_is_sha256_and_is_recorded(tmp_path):
     assert job.checkpoint.hash == "sha256"
     assert load_job(write_job(tmp_path, "fast"), ["checkpoint.hash=xxh3_128"]).checkpoint.hash == "xxh3_128"
 
-    report = CheckpointPublisher(tmp_path / "checkpoints", hash_algorithm=job.checkpoint.hash).publish(1, payload_writer())
+    report = CheckpointPublisher(tmp_path / "checkpoints", hash_algorithm=job.checkpoint.hash).publish(
+        1, payload_writer()
+    )
     document = json.loads((report.path / MANIFEST_NAME).read_text())
     assert document["hash"] == "sha256"
     for relative, entry in document["files"].items():
@@ -164,8 +166,15 @@ def test_republish_replaces_the_step(tmp_path, recorder):
     retire = next(call for call in recorder.calls if call[0] == "rename" and call[1] == str(first.path))
     retired = retire[2]
     assert ".step_00000007.retired-" in retired
-    install = next(index for index, call in enumerate(recorder.calls) if call[0] == "rename" and call[2] == str(first.path))
-    assert recorder.calls.index(retire) < install < recorder.index("fsync_dir", tmp_path) < recorder.index("remove_tree", retired)
+    install = next(
+        index for index, call in enumerate(recorder.calls) if call[0] == "rename" and call[2] == str(first.path)
+    )
+    assert (
+        recorder.calls.index(retire)
+        < install
+        < recorder.index("fsync_dir", tmp_path)
+        < recorder.index("remove_tree", retired)
+    )
 
 
 def test_crash_between_republish_renames_is_recovered(tmp_path, recorder, caplog):
@@ -276,10 +285,14 @@ def test_eio_from_fsync_aborts_without_retry(tmp_path, recorder):
         publisher.publish(2, payload_writer("2", written))
 
     message = str(raised.value)
-    assert "phase 'hash' on rank 0" in message and "Input/output error" in message and "nothing was published" in message
+    assert (
+        "phase 'hash' on rank 0" in message and "Input/output error" in message and "nothing was published" in message
+    )
     assert isinstance(raised.value.__cause__, OSError) and raised.value.__cause__.errno == errno.EIO
     assert len(written) == 1  # no retry
-    assert len([call for call in recorder.calls if call[0] == "fsync_file" and call[1].endswith("optim_states.pt")]) == 1
+    assert (
+        len([call for call in recorder.calls if call[0] == "fsync_file" and call[1].endswith("optim_states.pt")]) == 1
+    )
     assert published_names(tmp_path) == [previous.name] and hidden_names(tmp_path) == []
     verify_checkpoint(previous)
 
@@ -479,7 +492,10 @@ def test_a_background_failure_is_raised_by_wait_and_loses_nothing(tmp_path, reco
     with pytest.raises(CheckpointError) as raised:
         publisher.wait()
     message = str(raised.value)
-    assert message.startswith("background checkpoint save step 2 failed in phase 'hash'") and "Input/output error" in message
+    assert (
+        message.startswith("background checkpoint save step 2 failed in phase 'hash'")
+        and "Input/output error" in message
+    )
     assert isinstance(raised.value.__cause__, CheckpointError)
     assert published_names(tmp_path) == [previous.name] and hidden_names(tmp_path) == []
     verify_checkpoint(previous)
@@ -502,7 +518,10 @@ def streamed_writer(files, *, after=None):
 
     def write(staging: Path):
         (staging / "policy" / "zero").mkdir(parents=True)
-        for relative, text in (("policy/mp_rank_00_model_states.pt", b"model" * 5000), ("policy/zero/optim_states.pt", b"optim" * 9000)):
+        for relative, text in (
+            ("policy/mp_rank_00_model_states.pt", b"model" * 5000),
+            ("policy/zero/optim_states.pt", b"optim" * 9000),
+        ):
             with files.open(staging / relative) as handle:
                 handle.write(text)
         (staging / "job.yaml").write_text("tag: streamed\n")
@@ -518,7 +537,9 @@ def test_files_hashed_while_written_are_fsynced_not_read_back(tmp_path, recorder
 
     read_back = []
     real_digest = hashing._digest
-    monkeypatch.setattr(hashing, "_digest", lambda path, algorithm: read_back.append(Path(path).name) or real_digest(path, algorithm))
+    monkeypatch.setattr(
+        hashing, "_digest", lambda path, algorithm: read_back.append(Path(path).name) or real_digest(path, algorithm)
+    )
     report = CheckpointPublisher(tmp_path, parts=["policy"]).publish(4, streamed_writer(StreamedFiles("sha256")))
     assert report.files == 3 and report.hashed_while_written == 2
     assert read_back == ["job.yaml"]  # the shards' digests came from their writes
@@ -550,6 +571,8 @@ def test_a_digest_for_a_file_not_in_the_staging_directory_fails_the_save(tmp_pat
     def remove(staging: Path) -> None:
         (staging / "policy" / "mp_rank_00_model_states.pt").unlink()
 
-    with pytest.raises(CheckpointError, match="reported a digest for 'policy/mp_rank_00_model_states.pt'.*nothing was published"):
+    with pytest.raises(
+        CheckpointError, match="reported a digest for 'policy/mp_rank_00_model_states.pt'.*nothing was published"
+    ):
         CheckpointPublisher(tmp_path).publish(2, streamed_writer(files, after=remove))
     assert published_names(tmp_path) == [previous.name] and hidden_names(tmp_path) == []

@@ -116,7 +116,11 @@ def test_digests_under_a_root_are_relative_posix_paths(tmp_path):
     files = StreamedFiles("sha256")
     (tmp_path / "staging" / "policy" / "state").mkdir(parents=True)
     (tmp_path / "elsewhere").mkdir()
-    for path in (tmp_path / "staging" / "policy" / "state" / "a.pt", tmp_path / "staging" / "b.pt", tmp_path / "elsewhere" / "c.pt"):
+    for path in (
+        tmp_path / "staging" / "policy" / "state" / "a.pt",
+        tmp_path / "staging" / "b.pt",
+        tmp_path / "elsewhere" / "c.pt",
+    ):
         with files.open(path) as handle:
             handle.write(path.name.encode())
     digests = files.digests_under(tmp_path / "staging")
@@ -136,10 +140,29 @@ def test_a_deepspeed_engine_saves_every_shard_through_the_stream(one_rank, tmp_p
     from astrai.engine import build_ds_config, make_engine
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16))
-    config = build_ds_config(DeepSpeedSection(zero_stage=0), template_path=None, micro_batch_size=2, grad_accum_steps=1,
-                             max_grad_norm=1.0, precision="fp32", lr=1e-2, betas=(0.9, 0.999), eps=1e-8, world_size=1)
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=16,
+        )
+    )
+    config = build_ds_config(
+        DeepSpeedSection(zero_stage=0),
+        template_path=None,
+        micro_batch_size=2,
+        grad_accum_steps=1,
+        max_grad_norm=1.0,
+        precision="fp32",
+        lr=1e-2,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        world_size=1,
+    )
     engine = make_engine(model, config, weight_decay=0.0, schedule=lambda completed: 1.0)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     engine.backward(engine(input_ids=ids, labels=ids).loss)
@@ -150,7 +173,9 @@ def test_a_deepspeed_engine_saves_every_shard_through_the_stream(one_rank, tmp_p
     engine.save(tmp_path / "streamed", open_file=files.open)
     assert engine._engine.checkpoint_engine is default_engine  # put back after the save
     digests = files.digests_under(tmp_path / "streamed")
-    shards = sorted(path.relative_to(tmp_path / "streamed").as_posix() for path in (tmp_path / "streamed").rglob("*.pt"))
+    shards = sorted(
+        path.relative_to(tmp_path / "streamed").as_posix() for path in (tmp_path / "streamed").rglob("*.pt")
+    )
     assert shards and sorted(digests) == shards  # every DeepSpeed file went through the stream
     for relative, digest in digests.items():
         assert digest == hash_file(tmp_path / "streamed" / relative, "sha256")

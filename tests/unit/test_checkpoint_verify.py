@@ -55,10 +55,22 @@ def flip_byte(path: Path) -> None:
 
 CORRUPTIONS = {
     "flipped byte": (lambda checkpoint: flip_byte(checkpoint / "policy" / "b.pt"), "wrong digest", "policy/b.pt"),
-    "truncated": (lambda checkpoint: (checkpoint / "policy" / "a.pt").write_bytes(b"short"), "wrong size", "policy/a.pt"),
+    "truncated": (
+        lambda checkpoint: (checkpoint / "policy" / "a.pt").write_bytes(b"short"),
+        "wrong size",
+        "policy/a.pt",
+    ),
     "deleted": (lambda checkpoint: (checkpoint / "trainer_state.json").unlink(), "missing", "trainer_state.json"),
-    "extra": (lambda checkpoint: (checkpoint / "policy" / "stray.tmp").write_bytes(b""), "unexpected file", "policy/stray.tmp"),
-    "corrupt manifest": (lambda checkpoint: (checkpoint / MANIFEST_NAME).write_text('{"format": '), "bad manifest", MANIFEST_NAME),
+    "extra": (
+        lambda checkpoint: (checkpoint / "policy" / "stray.tmp").write_bytes(b""),
+        "unexpected file",
+        "policy/stray.tmp",
+    ),
+    "corrupt manifest": (
+        lambda checkpoint: (checkpoint / MANIFEST_NAME).write_text('{"format": '),
+        "bad manifest",
+        MANIFEST_NAME,
+    ),
     "future version": (lambda checkpoint: edit_manifest(checkpoint, version=2), "bad manifest", MANIFEST_NAME),
     "unknown hash": (lambda checkpoint: edit_manifest(checkpoint, hash="md5"), "bad manifest", MANIFEST_NAME),
     "other format": (lambda checkpoint: edit_manifest(checkpoint, format="torch-dcp"), "bad manifest", MANIFEST_NAME),
@@ -163,7 +175,11 @@ def test_require_parts_reads_the_manifest(tmp_path):
 def test_names():
     assert step_dir_name(500) == "step_00000500" and step_dir_name(123456789) == "step_123456789"
     assert [parse_step_dir_name(name) for name in ("step_00000500", "step_7", "step_", "xstep_1", ".step_1")] == [
-        500, 7, None, None, None,
+        500,
+        7,
+        None,
+        None,
+        None,
     ]
     name = staging_dir_name(3)
     assert name.startswith(".step_00000003.staging-") and parse_hidden_dir_name(name) == ("staging", 3)
@@ -172,7 +188,14 @@ def test_names():
     with pytest.raises(ValueError):
         step_dir_name(-1)
     assert [is_safe_relative_path(path) for path in ("a/b.pt", "a", "../a", "/a", "a//b", "a/./b", "a\\b", "")] == [
-        True, True, False, False, False, False, False, False,
+        True,
+        True,
+        False,
+        False,
+        False,
+        False,
+        False,
+        False,
     ]
 
 
@@ -207,7 +230,11 @@ def test_verify_cli(tmp_path, capsys):
 def run_verify(*arguments: str) -> subprocess.CompletedProcess:
     """`python -m astrai verify ARGUMENTS` as a user types it: the real dispatch in astrai/__main__.py."""
     return subprocess.run(
-        [sys.executable, "-m", "astrai", "verify", *arguments], cwd=REPOSITORY, capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "astrai", "verify", *arguments],
+        cwd=REPOSITORY,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -224,7 +251,9 @@ def test_python_m_astrai_verify_in_a_subprocess(tmp_path):
     flip_byte(checkpoint / "policy" / "a.pt")
     damaged = run_verify(str(checkpoint))
     assert damaged.returncode == 1, damaged.stdout + damaged.stderr
-    assert f"INVALID  {checkpoint}: wrong digest: policy/a.pt" in damaged.stdout and "0 valid, 1 invalid" in damaged.stdout
+    assert (
+        f"INVALID  {checkpoint}: wrong digest: policy/a.pt" in damaged.stdout and "0 valid, 1 invalid" in damaged.stdout
+    )
     (checkpoint / "policy" / "a.pt").unlink()
     missing = run_verify(str(output_dir), "--latest")
     assert missing.returncode == 1 and "missing: policy/a.pt" in missing.stdout
@@ -242,7 +271,9 @@ def test_verify_cli_require_parts(tmp_path, capsys):
     assert verify_main([str(newest), "--require-parts", "policy,critic"]) == 1
     out = capsys.readouterr().out
     assert "INCOMPLETE" in out and "lacks the part(s) critic" in out and "0 valid, 1 invalid" in out
-    assert verify_main([str(newest), "--require-parts", "policy", "--require-parts", " critic "]) == 1  # repeatable, trimmed
+    assert (
+        verify_main([str(newest), "--require-parts", "policy", "--require-parts", " critic "]) == 1
+    )  # repeatable, trimmed
     capsys.readouterr()
     legacy = output_dir / "checkpoints" / step_dir_name(2)
     (legacy / "policy").mkdir(parents=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
@@ -82,13 +81,19 @@ def test_missing_job_file():
 
 
 def test_hub_name_model_path_is_refused_with_hint(tmp_path):
-    body = VALID.replace("  init: {{model_type: llama, hidden_size: 16, intermediate_size: 32, num_hidden_layers: 1, num_attention_heads: 2}}", "  path: meta-llama/Llama-3-8B")
+    body = VALID.replace(
+        "  init: {{model_type: llama, hidden_size: 16, intermediate_size: 32, num_hidden_layers: 1, num_attention_heads: 2}}",
+        "  path: meta-llama/Llama-3-8B",
+    )
     with pytest.raises(ConfigError, match=r"model\.path: .*hub names cannot be downloaded"):
         load_job(write_job(tmp_path, body))
 
 
 def test_set_overrides_parse_values_as_yaml(tmp_path):
-    job = load_job(write_job(tmp_path), ["train.lr=1E-3", "train.max_steps=9", "deepspeed.zero_stage=3", "runtime.environment.FOO=bar"])
+    job = load_job(
+        write_job(tmp_path),
+        ["train.lr=1E-3", "train.max_steps=9", "deepspeed.zero_stage=3", "runtime.environment.FOO=bar"],
+    )
     assert job.train.lr == 1e-3 and job.train.max_steps == 9 and job.deepspeed.zero_stage == 3
     assert job.runtime.environment == {"FOO": "bar"}
 
@@ -132,7 +137,13 @@ def test_exclusive_choices(tmp_path):
 
 def test_cli_reports_one_clear_message_without_traceback(tmp_path):
     path = write_job(tmp_path, VALID + "  bogus: 1\n")
-    result = subprocess.run([sys.executable, str(REPO / "astrai/train.py"), "--config", path], capture_output=True, text=True, env=child_env(), timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(REPO / "astrai/train.py"), "--config", path],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        timeout=120,
+    )
     assert result.returncode == 2
     assert "train.bogus: unknown key" in result.stderr
     assert "Traceback" not in result.stderr
@@ -155,12 +166,17 @@ def test_train_type_registry_names_what_is_available():
 def test_a_later_quickstart_says_to_run_the_quickstart_first(tmp_path):
     missing = tmp_path / "runs" / "quickstart" / "hf"
     with pytest.raises(ConfigError) as error:
-        load_job(str(REPO / "configs/quickstart_grpo.yaml"), [f"model.path={missing}", f"output_dir={tmp_path / 'out'}"])
+        load_job(
+            str(REPO / "configs/quickstart_grpo.yaml"), [f"model.path={missing}", f"output_dir={tmp_path / 'out'}"]
+        )
     message = str(error.value)
     assert f"model.path: local folder {str(missing)!r} does not exist" in message
     assert "run that job first; configs/quickstart.yaml writes runs/quickstart/hf" in message
 
 
 def test_a_hub_name_is_refused_with_a_clear_message(tmp_path):
-    with pytest.raises(ConfigError, match=r"tokenizer\.path: local folder 'meta-llama/Llama-3' does not exist \(hub names cannot be downloaded here"):
+    with pytest.raises(
+        ConfigError,
+        match=r"tokenizer\.path: local folder 'meta-llama/Llama-3' does not exist \(hub names cannot be downloaded here",
+    ):
         load_job(write_job(tmp_path, VALID.replace("  build: {{kind: char}}", "  path: meta-llama/Llama-3")))

@@ -74,11 +74,19 @@ def hand_rollout(
     response_mask = torch.tensor([[1] * len(r) + [0] * (response_width - len(r)) for r in responses])
     count = len(prompts)
     return RolloutResult(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids, response_mask=response_mask,
-        behaviour_logprobs=-response_mask.float() * 0.5, truncated=torch.zeros(count, dtype=torch.bool),
-        prompt_texts=[f"{tag}p{i}" for i in range(count)], response_texts=[f"{tag}r{i}" for i in range(count)],
-        messages=[[] for _ in range(count)], rows=[{"row": f"{tag}{i}"} for i in range(count)], group_size=group_size,
-        policy_version=3, rewards=torch.arange(count, dtype=torch.float32),
+        prompt_ids=prompt_ids,
+        prompt_mask=prompt_mask,
+        response_ids=response_ids,
+        response_mask=response_mask,
+        behaviour_logprobs=-response_mask.float() * 0.5,
+        truncated=torch.zeros(count, dtype=torch.bool),
+        prompt_texts=[f"{tag}p{i}" for i in range(count)],
+        response_texts=[f"{tag}r{i}" for i in range(count)],
+        messages=[[] for _ in range(count)],
+        rows=[{"row": f"{tag}{i}"} for i in range(count)],
+        group_size=group_size,
+        policy_version=3,
+        rewards=torch.arange(count, dtype=torch.float32),
     )
 
 
@@ -173,7 +181,10 @@ def test_dynamic_sampling_rounds_keep_informative_groups(tokenizer):
     # Round 0 gives one informative group, round 1 none, round 2 two: the step stops there (round 3 untouched).
     assert sample.prompts_drawn == 3 * 2
     assert sample.metrics == {
-        "sampling_rounds": 3.0, "kept_groups": 2.0, "dropped_groups": 4.0, "sampled_reward_mean": pytest.approx(9 / 24),
+        "sampling_rounds": 3.0,
+        "kept_groups": 2.0,
+        "dropped_groups": 4.0,
+        "sampled_reward_mean": pytest.approx(9 / 24),
     }
     assert [row["id"] for row in sample.rollout.rows[::4]] == ["0.1", "2.0"]
     assert sample.rollout.rewards.tolist() == [1.0, 0.0, 0.0, 0.0] * 2
@@ -222,8 +233,16 @@ def test_without_dynamic_sampling_a_step_samples_what_it_did(tokenizer):
 
     prompt_ids, messages, rows = zip(*(decode_prompt_row(example) for example in examples))
     direct = generate_rollout(
-        policy, tokenizer, prompt_ids, messages, rows, config.rollout, seed=sampling_seed(config.train.seed, 4, 0),
-        policy_version=0, logprob_batch_size=2, behaviour_logprobs=strategy.needs_behaviour_logprobs(),
+        policy,
+        tokenizer,
+        prompt_ids,
+        messages,
+        rows,
+        config.rollout,
+        seed=sampling_seed(config.train.seed, 4, 0),
+        policy_version=0,
+        logprob_batch_size=2,
+        behaviour_logprobs=strategy.needs_behaviour_logprobs(),
     )
     assert torch.equal(sample.rollout.response_ids, direct.response_ids)
     assert sample.prompts_drawn == 2 and sample.metrics == {}
@@ -246,8 +265,11 @@ def test_overlong_buffer_larger_than_max_tokens_fails_in_the_schema():
             "rl.dynamic_sampling needs train.train_type grpo, not online_ppo",
         ),
         (
-            {"train": {"train_type": "online_ppo"}, "rollout": {"group_size": 1, "prompts_per_step": 4},
-             "rl": {"dynamic_sampling": True}},
+            {
+                "train": {"train_type": "online_ppo"},
+                "rollout": {"group_size": 1, "prompts_per_step": 4},
+                "rl": {"dynamic_sampling": True},
+            },
             "rl.dynamic_sampling needs train.train_type grpo",
         ),
         (

@@ -40,7 +40,10 @@ def test_chat_mask_covers_assistant_tokens_only(tokenizer):
 
 
 def test_prompt_response_rows_become_chats():
-    assert row_messages({"prompt": "q", "response": "a"}, 0, FIELDS) == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    assert row_messages({"prompt": "q", "response": "a"}, 0, FIELDS) == [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+    ]
     with pytest.raises(RowError, match="no assistant message"):
         row_messages({"messages": [{"role": "user", "content": "q"}]}, 0, FIELDS)
     with pytest.raises(RowError, match="message 0 must be"):
@@ -80,7 +83,9 @@ def test_sharding_is_disjoint_complete_and_deterministic():
     assert len(set(seen[0]) | set(seen[1])) == orders[0].samples_per_epoch == 96
     # Same seed, same order; another epoch, another order.
     again = ShardedOrder(size, micro, world, 0, seed=7).micro_batches(0)
-    assert [next(again) for _ in range(per_epoch_steps)] == [seen[0][i : i + micro] for i in range(0, len(seen[0]), micro)]
+    assert [next(again) for _ in range(per_epoch_steps)] == [
+        seen[0][i : i + micro] for i in range(0, len(seen[0]), micro)
+    ]
     assert orders[0].epoch_order(0) != orders[0].epoch_order(1)
 
 
@@ -102,7 +107,9 @@ def test_too_little_data_is_a_clear_error():
 def test_malformed_row_error_names_file_and_row(tmp_path, tokenizer):
     good = {"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]}
     (tmp_path / "a.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(good) + "\n")
-    (tmp_path / "b.jsonl").write_text(json.dumps(good) + "\n" + json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
+    (tmp_path / "b.jsonl").write_text(
+        json.dumps(good) + "\n" + json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n"
+    )
     rows = load_rows(str(tmp_path), "auto", tmp_path / "cache")
     assert len(rows.dataset) == 4
 
@@ -120,23 +127,38 @@ def test_unreadable_file_is_named(tmp_path):
 
 
 def test_collate_pads_right(tokenizer):
-    batch = collate_token_rows([{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [8], "loss_mask": [1]}], tokenizer.pad_token_id)
+    batch = collate_token_rows(
+        [{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [8], "loss_mask": [1]}], tokenizer.pad_token_id
+    )
     assert batch["input_ids"].tolist() == [[5, 6, 7], [8, tokenizer.pad_token_id, tokenizer.pad_token_id]]
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert batch["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
 
 
-PAIR_FIELDS = SimpleNamespace(messages_field="messages", prompt_field="prompt", chosen_field="chosen", rejected_field="rejected")
+PAIR_FIELDS = SimpleNamespace(
+    messages_field="messages", prompt_field="prompt", chosen_field="chosen", rejected_field="rejected"
+)
 
 
 def trained_and_context(tokenizer, ids, mask):
-    return tokenizer.decode([t for t, keep in zip(ids, mask) if keep]), tokenizer.decode([t for t, keep in zip(ids, mask) if not keep])
+    return tokenizer.decode([t for t, keep in zip(ids, mask) if keep]), tokenizer.decode(
+        [t for t, keep in zip(ids, mask) if not keep]
+    )
 
 
 def test_preference_rows_mask_only_the_responses(tokenizer):
     """A `prompt` row and a `messages` row (whose earlier assistant turn is context, not trained)."""
-    earlier = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}, {"role": "user", "content": "2+5="}]
-    batch = {"prompt": ["3+4=", None], "messages": [None, earlier], "chosen": ["7", "7"], "rejected": ["8", [{"role": "assistant", "content": "9"}]]}
+    earlier = [
+        {"role": "user", "content": "1+1="},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "2+5="},
+    ]
+    batch = {
+        "prompt": ["3+4=", None],
+        "messages": [None, earlier],
+        "chosen": ["7", "7"],
+        "rejected": ["8", [{"role": "assistant", "content": "9"}]],
+    }
     out = preference_batch(batch, [0, 1], tokenizer=tokenizer, fields=PAIR_FIELDS, max_len=64, skip_bad=False)
     assert out["bad"] == [False, False]
     for row, (chosen, rejected) in enumerate([("7", "8"), ("7", "9")]):
@@ -144,18 +166,26 @@ def test_preference_rows_mask_only_the_responses(tokenizer):
             ids, mask = out[f"{name}_ids"][row], out[f"{name}_mask"][row]
             assert len(ids) == len(mask)
             trained, context = trained_and_context(tokenizer, ids, mask)
-            assert trained == f"{answer}<|im_end|>\n", (row, name)  # the response, its end marker and the template's newline
+            assert trained == f"{answer}<|im_end|>\n", (
+                row,
+                name,
+            )  # the response, its end marker and the template's newline
             assert context.endswith("<|im_start|>assistant\n") and answer not in context.replace("<|im_start|>", "")
         # Both completions share the prompt's tokens exactly; only the responses differ.
         start = out["chosen_mask"][row].index(1)
-        assert out["chosen_ids"][row][:start] == out["rejected_ids"][row][:start] and out["rejected_mask"][row].index(1) == start
+        assert (
+            out["chosen_ids"][row][:start] == out["rejected_ids"][row][:start]
+            and out["rejected_mask"][row].index(1) == start
+        )
     _, context = trained_and_context(tokenizer, out["chosen_ids"][0], out["chosen_mask"][0])
     assert "3+4=" in context
     _, context = trained_and_context(tokenizer, out["chosen_ids"][1], out["chosen_mask"][1])
     assert "1+1=" in context and "2+5=" in context and "2<|im_end|>" in context  # the earlier answer is context
 
 
-@pytest.mark.parametrize("rejected, reason", [(None, "'rejected' must be a string .*got None"), (4, "'rejected' must be a string .*got 4")])
+@pytest.mark.parametrize(
+    "rejected, reason", [(None, "'rejected' must be a string .*got None"), (4, "'rejected' must be a string .*got 4")]
+)
 def test_malformed_preference_row_names_file_and_row(tmp_path, tokenizer, rejected, reason):
     # Word answers: a column mixing strings and numbers is read with datasets' Json feature, which
     # decodes a numeric string ("3") of the good rows as a number too (astrai/data/sources.py).
@@ -169,5 +199,12 @@ def test_malformed_preference_row_names_file_and_row(tmp_path, tokenizer, reject
 
     with pytest.raises(DataError, match=rf"pairs\.jsonl row 3: {reason}"):
         tokenize_rows(rows, function, num_proc=1, description="test")
-    skipped = preference_batch({"prompt": ["1+1="], "chosen": ["2"], "rejected": [rejected]}, [0], tokenizer=tokenizer, fields=PAIR_FIELDS, max_len=64, skip_bad=True)
+    skipped = preference_batch(
+        {"prompt": ["1+1="], "chosen": ["2"], "rejected": [rejected]},
+        [0],
+        tokenizer=tokenizer,
+        fields=PAIR_FIELDS,
+        max_len=64,
+        skip_bad=True,
+    )
     assert skipped["bad"] == [True] and skipped["chosen_ids"] == [[]]

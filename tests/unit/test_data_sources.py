@@ -61,7 +61,10 @@ runtime: {{progress_bar: false, tensorboard: false}}
 
 
 def test_skipped_rows_are_counted_and_logged(tmp_path, one_rank, caplog):
-    bad = [{"messages": [{"role": "user", "content": "1+1="}]}, {"messages": "not a list"}]  # no reply; not a chat at all
+    bad = [
+        {"messages": [{"role": "user", "content": "1+1="}]},
+        {"messages": "not a list"},
+    ]  # no reply; not a chat at all
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in CHATS[:6] + bad))
     config = tmp_path / "job.yaml"
@@ -77,8 +80,13 @@ def test_a_column_of_mixed_types_never_changes_a_value_silently(tmp_path):
     back as the number 2: refused, naming the file, row, column and both values. A column of mixed types
     whose values all come back as written (a malformed row among chats) loads, for data.on_bad_row."""
     answers = tmp_path / "answers.jsonl"
-    answers.write_text('{"prompt": "1+1=", "answer": "x"}\n{"prompt": "1+2=", "answer": "3"}\n{"prompt": "2+2=", "answer": 4}\n')
-    with pytest.raises(DataError, match=r"answers\.jsonl: row 2, column 'answer': datasets read '3' as 3: the column has values of different types"):
+    answers.write_text(
+        '{"prompt": "1+1=", "answer": "x"}\n{"prompt": "1+2=", "answer": "3"}\n{"prompt": "2+2=", "answer": 4}\n'
+    )
+    with pytest.raises(
+        DataError,
+        match=r"answers\.jsonl: row 2, column 'answer': datasets read '3' as 3: the column has values of different types",
+    ):
         load_rows(str(answers), "auto", tmp_path / "cache")
     as_document = tmp_path / "answers.json"
     as_document.write_text(json.dumps([{"answer": "true"}, {"answer": [1]}]))

@@ -62,18 +62,42 @@ def first_record(folder, name) -> dict:
     return json.loads((folder / name / "metrics.jsonl").read_text().splitlines()[0])
 
 
-@pytest.mark.parametrize("config", [
-    GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=40, bos_token_id=0, eos_token_id=0),
-    OPTConfig(hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4, vocab_size=40, max_position_embeddings=64,
-              word_embed_proj_dim=32, attention_dropout=0.1, bos_token_id=0, eos_token_id=0, pad_token_id=1),
-    FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=40, attention_dropout=0.1, hidden_dropout=0.1),
-], ids=["gpt2", "opt", "falcon"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=40, bos_token_id=0, eos_token_id=0),
+        OPTConfig(
+            hidden_size=32,
+            num_hidden_layers=2,
+            ffn_dim=64,
+            num_attention_heads=4,
+            vocab_size=40,
+            max_position_embeddings=64,
+            word_embed_proj_dim=32,
+            attention_dropout=0.1,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=1,
+        ),
+        FalconConfig(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            vocab_size=40,
+            attention_dropout=0.1,
+            hidden_dropout=0.1,
+        ),
+    ],
+    ids=["gpt2", "opt", "falcon"],
+)
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_a_model_in_train_mode_gives_the_same_logits_twice(config, attention):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config.__class__(**config.to_dict()), attn_implementation=attention).train()
+    model = AutoModelForCausalLM.from_config(
+        config.__class__(**config.to_dict()), attn_implementation=attention
+    ).train()
     ids = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(1))
     assert not torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)  # dropout is on to begin with
     assert disable_dropout(model) > 0
@@ -84,8 +108,12 @@ def test_a_model_in_train_mode_gives_the_same_logits_twice(config, attention):
 @pytest.mark.parametrize("disabled", [True, False])
 def test_a_critic_from_critic_path_and_the_policy_are_deterministic_in_train_mode(tmp_path, disabled):
     tokenizer = build_tokenizer("char", ["0123456789+-="])
-    settings = ModelConfig.model_validate({"init": {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64},
-                                           "disable_dropout": disabled})
+    settings = ModelConfig.model_validate(
+        {
+            "init": {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64},
+            "disable_dropout": disabled,
+        }
+    )
     with_dropout = settings.model_copy(update={"disable_dropout": False})
     ValueModel(trunk_of(build_policy(with_dropout, tokenizer, 0))).save_pretrained(tmp_path / "critic")
     ids = torch.randint(0, len(tokenizer), (2, 10), generator=torch.Generator().manual_seed(0))
@@ -117,7 +145,9 @@ def check_first_ratio(run, checks: list):
 def test_grpo_ratio_one_and_kl_zero_at_the_first_step(one_rank, folder, disabled):
     # Two minibatches of 4 sequences: behaviour log-probs recomputed at rollout time, the ratio read by the loss.
     name = f"grpo_{disabled}"
-    run = make_run(one_rank, folder, name, ONLINE.format(train_type="grpo"), "prompts.jsonl", f"model.disable_dropout={disabled}")
+    run = make_run(
+        one_rank, folder, name, ONLINE.format(train_type="grpo"), "prompts.jsonl", f"model.disable_dropout={disabled}"
+    )
     assert run.strategy.needs_behaviour_logprobs() and run.engines["policy"].module.training
     checks = []
     check_first_ratio(run, checks)
@@ -128,8 +158,15 @@ def test_grpo_ratio_one_and_kl_zero_at_the_first_step(one_rank, folder, disabled
         assert checks[0] > 1e-3
     # One minibatch per step: the only update of step 1 starts at the reference, so k3 is exactly 0.
     single = f"grpo_single_{disabled}"
-    run = make_run(one_rank, folder, single, ONLINE.format(train_type="grpo"), "prompts.jsonl", f"model.disable_dropout={disabled}",
-                   "train.grad_accum_steps=2")
+    run = make_run(
+        one_rank,
+        folder,
+        single,
+        ONLINE.format(train_type="grpo"),
+        "prompts.jsonl",
+        f"model.disable_dropout={disabled}",
+        "train.grad_accum_steps=2",
+    )
     train_online(run)
     kl = first_record(folder, single)["kl"]
     assert kl == 0.0 if disabled else kl > 1e-4
@@ -138,8 +175,15 @@ def test_grpo_ratio_one_and_kl_zero_at_the_first_step(one_rank, folder, disabled
 @pytest.mark.parametrize("disabled", [True, False])
 def test_online_ppo_first_ratio_is_one_and_the_critic_is_deterministic(one_rank, folder, disabled):
     name = f"ppo_{disabled}"
-    run = make_run(one_rank, folder, name, ONLINE.format(train_type="online_ppo"), "prompts.jsonl", f"model.disable_dropout={disabled}",
-                   "critic.warmup_rollouts=0")
+    run = make_run(
+        one_rank,
+        folder,
+        name,
+        ONLINE.format(train_type="online_ppo"),
+        "prompts.jsonl",
+        f"model.disable_dropout={disabled}",
+        "critic.warmup_rollouts=0",
+    )
     critic = run.engines["critic"]
     ids = torch.randint(1, len(run.tokenizer), (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

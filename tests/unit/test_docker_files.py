@@ -43,17 +43,27 @@ def test_services_pin_images_and_never_build():
     assert set(SERVICES) == {"trainer", "server"}
     for name, service in SERVICES.items():
         assert "build" not in service, f"{name}: a run must never build; only `scripts/train.sh build` does"
-        assert service["deploy"]["resources"]["reservations"]["devices"] == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
+        assert service["deploy"]["resources"]["reservations"]["devices"] == [
+            {"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}
+        ]
         assert "CUDA_VISIBLE_DEVICES" in service["environment"]  # passed through only when set, never as a default
         assert service["ulimits"]["memlock"] == -1 and default_of(service["shm_size"], "TRAIN_SHM_SIZE") == "16g"
-    assert SERVICES["trainer"]["image"] == "${TRAIN_IMAGE:-astrai:latest}" and SERVICES["trainer"]["pull_policy"] == "never"
+    assert (
+        SERVICES["trainer"]["image"] == "${TRAIN_IMAGE:-astrai:latest}"
+        and SERVICES["trainer"]["pull_policy"] == "never"
+    )
     assert SERVICES["server"]["image"] == "${SERVE_IMAGE:-vllm/vllm-openai:latest}"
 
 
 def test_services_take_exactly_the_intended_environment():
     """Nothing of the host shell reaches a container unless named here (NCCL_* included: a job lists its
     workarounds in runtime.environment, which the entrypoint exports); no env_file hands a file over whole."""
-    assert SERVICES["trainer"]["environment"] == ["TRAIN_CONFIG=/job/job.yaml", "TRAIN_JOB_NAME", "TRAIN_GPU_COUNT", "CUDA_VISIBLE_DEVICES"]
+    assert SERVICES["trainer"]["environment"] == [
+        "TRAIN_CONFIG=/job/job.yaml",
+        "TRAIN_JOB_NAME",
+        "TRAIN_GPU_COUNT",
+        "CUDA_VISIBLE_DEVICES",
+    ]
     assert SERVICES["server"]["environment"] == ["SERVE_MODEL_NAME", "SERVE_EXTRA_ARGS", "CUDA_VISIBLE_DEVICES"]
     for name, service in SERVICES.items():
         assert "env_file" not in service, name
@@ -77,7 +87,7 @@ def test_trainer_mounts_match_the_runtime():
 
 def test_entrypoint_is_the_same_everywhere_and_executable():
     entry = SERVICES["trainer"]["entrypoint"]
-    assert f'ENTRYPOINT {entry}'.replace("'", '"') in DOCKERFILE
+    assert f"ENTRYPOINT {entry}".replace("'", '"') in DOCKERFILE
     script = REPO / entry[0].replace("/workspace/", "")
     assert script.is_file() and script.stat().st_mode & 0o111
     for stage in ("AS cpu", "AS gpu"):
@@ -101,7 +111,9 @@ def test_dockerignore_keeps_local_state_out_and_the_project_in():
     patterns = [line for line in (REPO / ".dockerignore").read_text().splitlines() if line and not line.startswith("#")]
 
     def ignored(path: str) -> bool:
-        return any(fnmatch.fnmatch(path, pattern.removeprefix("**/")) or path.split("/")[0] == pattern for pattern in patterns)
+        return any(
+            fnmatch.fnmatch(path, pattern.removeprefix("**/")) or path.split("/")[0] == pattern for pattern in patterns
+        )
 
     for path in (".venv", "runs", ".git", "__pycache__", ".pytest_cache", ".env.train", "astrai.egg-info"):
         assert ignored(path), path

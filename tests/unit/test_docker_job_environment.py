@@ -53,7 +53,9 @@ def write_job(folder, extra: str = "") -> str:
     "variable, configured, chosen",
     [("eager", None, "eager"), ("sdpa", "eager", "sdpa"), (None, "eager", "eager"), ("", "eager", "eager")],
 )
-def test_astr_backend_picks_the_attention_implementation_handed_to_transformers(tmp_path, clean_environment, variable, configured, chosen):
+def test_astr_backend_picks_the_attention_implementation_handed_to_transformers(
+    tmp_path, clean_environment, variable, configured, chosen
+):
     if variable is not None:
         clean_environment.setenv("ASTR_BACKEND", variable)
     sets = [] if configured is None else [f"model.attn_implementation={configured}"]
@@ -89,10 +91,14 @@ def test_astr_log_level_in_the_job_environment_sets_the_trainer_log_level(tmp_pa
     code, level, err = run_main_until_preflight(write_job(tmp_path, runtime), capsys)
     assert code == 1 and "preflight failed" in err and "has 0 GPUs, infra.gpus_per_node says 1" in err
     assert level == logging.DEBUG
-    assert "INFO astrai.preflight: preflight: 1 ranks on 1 nodes" in err  # INFO lines shown, though the job says WARNING
+    assert (
+        "INFO astrai.preflight: preflight: 1 ranks on 1 nodes" in err
+    )  # INFO lines shown, though the job says WARNING
 
     clean_environment.delenv("ASTR_LOG_LEVEL", raising=False)
     (tmp_path / "second").mkdir()
-    code, level, err = run_main_until_preflight(write_job(tmp_path / "second", runtime.replace("ASTR_LOG_LEVEL: DEBUG", "ASTR_OTHER: x")), capsys)
+    code, level, err = run_main_until_preflight(
+        write_job(tmp_path / "second", runtime.replace("ASTR_LOG_LEVEL: DEBUG", "ASTR_OTHER: x")), capsys
+    )
     assert code == 1 and "preflight failed" in err
     assert level == logging.WARNING and "preflight: 1 ranks" not in err  # without it, runtime.log_level rules

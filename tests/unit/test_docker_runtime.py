@@ -38,7 +38,9 @@ def exports(job_file: Path) -> dict:
 
 def test_full_infra_section_becomes_exports(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    job = write_job(tmp_path, """\
+    job = write_job(
+        tmp_path,
+        """\
 infra:
   job_name: sft-gpu4-7
   data: datasets/chat          # relative: from the job file's folder
@@ -48,7 +50,8 @@ infra:
   image: astrai:dev
   shm_size: 32g
   master_port: 29600          # multi-node keys: accepted, left to `astrai launch`
-""")
+""",
+    )
     assert exports(job) == {
         "TRAIN_CONFIG_FILE": str(job),
         "TRAIN_JOB_NAME": "sft-gpu4-7",
@@ -82,9 +85,18 @@ def test_missing_keys_fall_back_to_the_env_file(tmp_path):
         "# host settings\nTRAIN_IMAGE=astrai:env\nexport TRAIN_JOB_NAME='from env'\nTRAIN_CHECKPOINT_DIR=/env/ckpt # inline\n\nTRAIN_DATA=/env/data\n"
     )
     values = read_env_file(env_file)
-    assert values == {"TRAIN_IMAGE": "astrai:env", "TRAIN_JOB_NAME": "from env", "TRAIN_CHECKPOINT_DIR": "/env/ckpt", "TRAIN_DATA": "/env/data"}
+    assert values == {
+        "TRAIN_IMAGE": "astrai:env",
+        "TRAIN_JOB_NAME": "from env",
+        "TRAIN_CHECKPOINT_DIR": "/env/ckpt",
+        "TRAIN_DATA": "/env/data",
+    }
     settings = train_runtime.plan(load_job_file(job), job, {}, values, launch=True)
-    assert (settings["image"], settings["job_name"], settings["project"]) == ("astrai:env", "from env", "astrai-from-env")
+    assert (settings["image"], settings["job_name"], settings["project"]) == (
+        "astrai:env",
+        "from env",
+        "astrai-from-env",
+    )
     assert settings["checkpoint_dir"] == "/env/ckpt"
     shell_first = train_runtime.plan(load_job_file(job), job, {"TRAIN_IMAGE": "astrai:shell"}, values, launch=False)
     assert shell_first["image"] == "astrai:shell"  # the shell beats the env file, as in compose
@@ -157,8 +169,14 @@ def test_environment_renders_like_the_trainer(tmp_path, monkeypatch):
     job = write_job(tmp_path, ENVIRONMENT)
     rendered = train_runtime.job_environment(load_job_file(job), job)
     assert rendered == {
-        "NCCL_P2P_DISABLE": "1", "FLAG": "True", "OFF": "False", "EMPTY": "", "RATIO": "0.5", "LR": "2e-05",
-        "SWITCH": "on", "NAME": "two words and 'quotes' and $HOME; rm -rf /",
+        "NCCL_P2P_DISABLE": "1",
+        "FLAG": "True",
+        "OFF": "False",
+        "EMPTY": "",
+        "RATIO": "0.5",
+        "LR": "2e-05",
+        "SWITCH": "on",
+        "NAME": "two words and 'quotes' and $HOME; rm -rf /",
     }
     environment = parse_yaml(job.read_text())["runtime"]["environment"]
     for name in environment:
@@ -169,7 +187,10 @@ def test_environment_renders_like_the_trainer(tmp_path, monkeypatch):
     shell = train_runtime.main(["environment", str(job)])
     printed = subprocess.run(
         ["bash", "-c", 'eval "$0"; for name in ${!1}; do printf "%s=%s\\n" "$name" "${!name}"; done', shell, "NAMES"],
-        env={"NAMES": " ".join(rendered), "PATH": os.environ["PATH"]}, capture_output=True, text=True, check=True,
+        env={"NAMES": " ".join(rendered), "PATH": os.environ["PATH"]},
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert printed.splitlines() == [f"{name}={value}" for name, value in rendered.items()]
 
@@ -205,11 +226,16 @@ def test_launch_plan_finds_the_checkpoint_to_resume(tmp_path):
     (ckpt / "demo" / "checkpoints" / "step_00000002").mkdir()
     found = launch(train={"train_type": "online_ppo"})
     assert (found["resume_dir"], found["resume_latest"], found["resume_parts"]) == (
-        str(ckpt / "demo" / "checkpoints"), "1", "policy,critic",
+        str(ckpt / "demo" / "checkpoints"),
+        "1",
+        "policy,critic",
     )
     assert launch(checkpoint={"resume": "never"})["resume_dir"] == ""
     chosen = launch(checkpoint={"resume": "/output/demo/checkpoints/step_00000002"})
-    assert (chosen["resume_dir"], chosen["resume_latest"]) == (str(ckpt / "demo" / "checkpoints" / "step_00000002"), "0")
+    assert (chosen["resume_dir"], chosen["resume_latest"]) == (
+        str(ckpt / "demo" / "checkpoints" / "step_00000002"),
+        "0",
+    )
     with pytest.raises(JobFileError, match="checkpoint.resume: '/output/demo/absent' is .* not a directory"):
         launch(checkpoint={"resume": "/output/demo/absent"})
     with pytest.raises(JobFileError, match=r"checkpoint.resume: 'runs/x' is not under a mounted folder"):
@@ -224,28 +250,47 @@ def test_launch_plan_finds_the_checkpoint_to_resume(tmp_path):
 
 def test_serve_section(tmp_path):
     model = tmp_path / "hf"
-    job = write_job(tmp_path, """\
+    job = write_job(
+        tmp_path,
+        """\
 infra: {job_name: demo, gpu: {devices: [1]}, shm_size: 8g}
 serve:
   model_dir: hf
   port: 9000
   extra_args: [--max-model-len, 4096, --chat-template, "{{ a b }}"]
-""")
+""",
+    )
     document = load_job_file(job)
     variables = serve_runtime.serve_variables(document, job)
     assert variables == {
-        "TRAIN_JOB_NAME": "demo", "TRAIN_SHM_SIZE": "8g", "CUDA_VISIBLE_DEVICES": "1", "SERVE_MODEL_DIR": str(model),
-        "SERVE_PORT": "9000", "SERVE_EXTRA_ARGS": "--max-model-len 4096 --chat-template '{{ a b }}'",
+        "TRAIN_JOB_NAME": "demo",
+        "TRAIN_SHM_SIZE": "8g",
+        "CUDA_VISIBLE_DEVICES": "1",
+        "SERVE_MODEL_DIR": str(model),
+        "SERVE_PORT": "9000",
+        "SERVE_EXTRA_ARGS": "--max-model-len 4096 --chat-template '{{ a b }}'",
     }
-    split = subprocess.run(["sh", "-c", 'eval "set -- $0"; printf "%s\\n" "$@"', variables["SERVE_EXTRA_ARGS"]], capture_output=True, text=True)
+    split = subprocess.run(
+        ["sh", "-c", 'eval "set -- $0"; printf "%s\\n" "$@"', variables["SERVE_EXTRA_ARGS"]],
+        capture_output=True,
+        text=True,
+    )
     assert split.stdout.splitlines() == ["--max-model-len", "4096", "--chat-template", "{{ a b }}"]
     with pytest.raises(JobFileError, match="serve.model_dir: .* is not a Hugging Face model folder"):
         serve_runtime.plan(document, job, {}, {})
     model.mkdir()
     (model / "config.json").write_text("{}")
     settings = serve_runtime.plan(document, job, {}, {"SERVE_IMAGE": "vllm/vllm-openai:v1"})
-    assert settings == {"project": "astrai-serve-demo", "model_dir": str(model), "model_name": "demo", "port": "9000", "image": "vllm/vllm-openai:v1"}
-    everything = serve_runtime.serve_variables(load_job_file(write_job(tmp_path, "infra: {gpu: {devices: all}}\n")), job)
+    assert settings == {
+        "project": "astrai-serve-demo",
+        "model_dir": str(model),
+        "model_name": "demo",
+        "port": "9000",
+        "image": "vllm/vllm-openai:v1",
+    }
+    everything = serve_runtime.serve_variables(
+        load_job_file(write_job(tmp_path, "infra: {gpu: {devices: all}}\n")), job
+    )
     assert everything == {"CUDA_VISIBLE_DEVICES": None}
     for text, message in (
         ("serve: {port: 70000}\n", "serve.port: expected a port number"),
@@ -264,10 +309,14 @@ def test_runtimes_need_only_python_and_pyyaml(tmp_path):
         "import sys; sys.path.insert(0, sys.argv[1]); import train_runtime, serve_runtime; "
         "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'astrai', 'pydantic', 'torch'}); print(heavy)"
     )
-    imported = subprocess.run([sys.executable, "-c", probe, str(REPO / "scripts" / "docker")], capture_output=True, text=True, cwd=tmp_path)
+    imported = subprocess.run(
+        [sys.executable, "-c", probe, str(REPO / "scripts" / "docker")], capture_output=True, text=True, cwd=tmp_path
+    )
     assert imported.stdout.strip() == "[]", imported.stderr
     job = write_job(tmp_path, "")
     no_yaml = subprocess.run(  # -S: no site-packages, hence no PyYAML
-        [sys.executable, "-S", str(REPO / "scripts" / "docker" / "train_runtime.py"), "exports", str(job)], capture_output=True, text=True,
+        [sys.executable, "-S", str(REPO / "scripts" / "docker" / "train_runtime.py"), "exports", str(job)],
+        capture_output=True,
+        text=True,
     )
     assert no_yaml.returncode == 2 and "PyYAML is not installed" in no_yaml.stderr and "Traceback" not in no_yaml.stderr

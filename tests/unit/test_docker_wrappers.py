@@ -43,10 +43,17 @@ class Host:
         self.env_file = root / ".env.train"
 
     def environment(self, **extra: str) -> dict[str, str]:
-        keep = {name: value for name, value in os.environ.items() if not name.startswith(("TRAIN_", "SERVE_", "CUDA_", "ASTRAI_"))}
+        keep = {
+            name: value
+            for name, value in os.environ.items()
+            if not name.startswith(("TRAIN_", "SERVE_", "CUDA_", "ASTRAI_"))
+        }
         keep.update(
-            PATH=f"{self.bin}{os.pathsep}{os.environ['PATH']}", FAKE_LOG=str(self.log), TRAIN_ENV_FILE=str(self.env_file),
-            ASTRAI_HOST_PYTHON=sys.executable, ASTRAI_VERIFY_PYTHON=sys.executable,
+            PATH=f"{self.bin}{os.pathsep}{os.environ['PATH']}",
+            FAKE_LOG=str(self.log),
+            TRAIN_ENV_FILE=str(self.env_file),
+            ASTRAI_HOST_PYTHON=sys.executable,
+            ASTRAI_VERIFY_PYTHON=sys.executable,
         )
         keep.update(extra)
         return keep
@@ -94,8 +101,18 @@ def test_only_build_builds(host):
     job = write_job(host, "  gpu: {devices: [2, 3]}\n")
     built = train(host, "build", str(job))
     assert built.returncode == 0, built.stderr
-    (argv, _), = host.calls()
-    assert argv == ["docker", "build", "-f", str(REPO / "docker" / "Dockerfile"), "--target", "gpu", "-t", "astrai:latest", str(REPO)]
+    ((argv, _),) = host.calls()
+    assert argv == [
+        "docker",
+        "build",
+        "-f",
+        str(REPO / "docker" / "Dockerfile"),
+        "--target",
+        "gpu",
+        "-t",
+        "astrai:latest",
+        str(REPO),
+    ]
 
     for command, expected_tail in (("run", ["run", "--rm", "trainer"]), ("up", ["up", "-d", "trainer"])):
         launched = train(host, command, str(job))
@@ -103,7 +120,7 @@ def test_only_build_builds(host):
         calls = host.calls()
         assert [argv[1:3] for argv, _ in calls] == [["image", "inspect"], ["compose", "-f"]]
         argv, env = calls[-1]
-        assert argv[-len(expected_tail):] == expected_tail and "--build" not in argv and "build" not in argv
+        assert argv[-len(expected_tail) :] == expected_tail and "--build" not in argv and "build" not in argv
         assert argv[2:6] == ["-f", str(REPO / "docker" / "docker-compose.yml"), "-p", "astrai-demo"]
         assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["TRAIN_GPU_COUNT"] == "2"
         assert env["TRAIN_CONFIG_FILE"] == str(job) and env["TRAIN_CHECKPOINT_DIR"] == str(host.root / "ckpt")
@@ -140,7 +157,7 @@ def test_job_from_the_environment_and_the_other_commands(host):
         result = train(host, command, TRAIN_CONFIG_FILE=str(job))
         assert result.returncode == 0, result.stderr
         argv, _ = only_compose(host)
-        assert argv[-len(tail):] == tail and "-p" in argv and "astrai-demo" in argv
+        assert argv[-len(tail) :] == tail and "-p" in argv and "astrai-demo" in argv
 
 
 def publish_checkpoint(root: Path, parts: list[str]) -> Path:
@@ -175,7 +192,17 @@ def test_resume_check_runs_in_the_image_without_a_host_python(host):
     (_, _), (verify, _), (_, _) = host.calls()
     mounted = f"/check/{checkpoint.name}"
     assert verify[:6] == ["docker", "run", "--rm", "--entrypoint", "python", "-v"]
-    assert verify[6:] == [f"{checkpoint}:{mounted}:ro", "astrai:latest", "-m", "astrai", "verify", "--quick", "--require-parts", "policy", mounted]
+    assert verify[6:] == [
+        f"{checkpoint}:{mounted}:ro",
+        "astrai:latest",
+        "-m",
+        "astrai",
+        "verify",
+        "--quick",
+        "--require-parts",
+        "policy",
+        mounted,
+    ]
 
 
 def test_clear_errors_before_any_container(host, tmp_path):
@@ -230,7 +257,9 @@ def server_entrypoint() -> list[str]:
     import yaml
 
     entry = yaml.safe_load((REPO / "docker" / "docker-compose.yml").read_text())["services"]["server"]["entrypoint"]
-    assert entry[:2] == ["/bin/sh", "-c"] and "${" not in entry[2].replace("$${", "")  # nothing left for compose to interpolate
+    assert entry[:2] == ["/bin/sh", "-c"] and "${" not in entry[2].replace(
+        "$${", ""
+    )  # nothing left for compose to interpolate
     return ["sh", "-c", entry[2].replace("$$", "$"), *entry[3:]]
 
 
@@ -244,10 +273,29 @@ def test_server_entrypoint_unsets_an_empty_gpu_list_and_passes_extra_args_intact
     (fake / "python3").write_text(RECORDER.format(name="python3"))
     (fake / "python3").chmod(0o755)
     extra_args = ["--max-model-len", 4096, "--chat-template", "{{ messages | join(' ') }}", "it's; $HOME `id` \\n", ""]
-    document = {"infra": {"job_name": "demo"}, "serve": {"model_dir": "hf", "extra_args": extra_args, "served_model_name": "my model"}}
+    document = {
+        "infra": {"job_name": "demo"},
+        "serve": {"model_dir": "hf", "extra_args": extra_args, "served_model_name": "my model"},
+    }
     variables = serve_runtime.serve_variables(document, tmp_path / "job.yaml")
-    served = {"SERVE_EXTRA_ARGS": variables["SERVE_EXTRA_ARGS"], "SERVE_MODEL_NAME": variables["SERVE_MODEL_NAME"], "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"}
-    expected = ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model", "/model", "--served-model-name", "my model", "--host", "0.0.0.0", "--port", "8000"]
+    served = {
+        "SERVE_EXTRA_ARGS": variables["SERVE_EXTRA_ARGS"],
+        "SERVE_MODEL_NAME": variables["SERVE_MODEL_NAME"],
+        "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}",
+    }
+    expected = [
+        "python3",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        "/model",
+        "--served-model-name",
+        "my model",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        "8000",
+    ]
 
     for gpus, seen in (("", None), ("2,3", "2,3"), (None, None)):
         result = host.run(server_entrypoint(), **served, CUDA_VISIBLE_DEVICES=gpus)
@@ -261,7 +309,11 @@ def test_server_entrypoint_unsets_an_empty_gpu_list_and_passes_extra_args_intact
 
 
 def entrypoint(host: Host, job: Path, **extra: str) -> tuple[list[str], dict[str, str]]:
-    result = host.run(["bash", str(REPO / "scripts" / "docker" / "train-entrypoint.sh"), "--set", "train.max_steps=2"], TRAIN_CONFIG=str(job), **extra)
+    result = host.run(
+        ["bash", str(REPO / "scripts" / "docker" / "train-entrypoint.sh"), "--set", "train.max_steps=2"],
+        TRAIN_CONFIG=str(job),
+        **extra,
+    )
     assert result.returncode == 0, result.stderr
     (call,) = host.calls()
     return call
@@ -271,7 +323,16 @@ def test_entrypoint_keeps_ranks_on_the_job_gpus_and_exports_its_environment(host
     job = write_job(host, "", extra="runtime:\n  environment: {NCCL_P2P_DISABLE: 1, EMPTY: null, NOTE: two words}\n")
     argv, env = entrypoint(host, job, CUDA_VISIBLE_DEVICES="4,5,6,7", TRAIN_GPU_COUNT="2")
     # --include, never --num_gpus: deepspeed ignores CUDA_VISIBLE_DEVICES when --num_gpus is given.
-    assert argv == ["deepspeed", "--include", "localhost:4,5", "astrai/train.py", "--config", str(job), "--set", "train.max_steps=2"]
+    assert argv == [
+        "deepspeed",
+        "--include",
+        "localhost:4,5",
+        "astrai/train.py",
+        "--config",
+        str(job),
+        "--set",
+        "train.max_steps=2",
+    ]
     assert (env["NCCL_P2P_DISABLE"], env["EMPTY"], env["NOTE"]) == ("1", "", "two words")
     argv, env = entrypoint(host, job, TRAIN_GPU_COUNT="3")
     assert argv[:3] == ["deepspeed", "--num_gpus", "3"]

@@ -29,12 +29,31 @@ def setup(tmp_path_factory):
     (folder / "job.yaml").write_text(JOB.format(folder=folder))
     tokenizer = build_tokenizer("char", ["0123456789+-= \n"])
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=32,
+        )
+    ).eval()
     # Two pairs; completions of 1, 3, 2 and 4 tokens, so an average differs from a sum.
     rows = [
-        {"chosen_ids": [5, 6, 7, 8], "chosen_mask": [0, 0, 0, 1], "rejected_ids": [5, 6, 9, 10, 11], "rejected_mask": [0, 0, 1, 1, 1]},
-        {"chosen_ids": [7, 8, 12, 13], "chosen_mask": [0, 0, 1, 1], "rejected_ids": [7, 8, 14, 15, 16, 17], "rejected_mask": [0, 0, 1, 1, 1, 1]},
+        {
+            "chosen_ids": [5, 6, 7, 8],
+            "chosen_mask": [0, 0, 0, 1],
+            "rejected_ids": [5, 6, 9, 10, 11],
+            "rejected_mask": [0, 0, 1, 1, 1],
+        },
+        {
+            "chosen_ids": [7, 8, 12, 13],
+            "chosen_mask": [0, 0, 1, 1],
+            "rejected_ids": [7, 8, 14, 15, 16, 17],
+            "rejected_mask": [0, 0, 1, 1, 1, 1],
+        },
     ]
     return folder, tokenizer, model, rows
 
@@ -42,7 +61,9 @@ def setup(tmp_path_factory):
 def by_hand(model, rows, average: bool) -> list[float]:
     """Each sequence alone (no padding): log p(token t | tokens < t) over its masked tokens, summed or averaged."""
     values = []
-    for ids, mask in [(r["chosen_ids"], r["chosen_mask"]) for r in rows] + [(r["rejected_ids"], r["rejected_mask"]) for r in rows]:
+    for ids, mask in [(r["chosen_ids"], r["chosen_mask"]) for r in rows] + [
+        (r["rejected_ids"], r["rejected_mask"]) for r in rows
+    ]:
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([ids])).logits[0].double()
         terms = [float(torch.log_softmax(logits[t - 1], -1)[ids[t]]) for t in range(1, len(ids)) if mask[t]]
@@ -85,4 +106,6 @@ def test_ipo_loss_uses_average_logprobs(setup):
         assert float(output.loss) == pytest.approx(sum(expected) / 2, rel=1e-5), loss_name
         assert output.sums["logps_chosen"] == pytest.approx(scores[0] + scores[1], rel=1e-5)
         assert output.sums["logps_rejected"] == pytest.approx(scores[2] + scores[3], rel=1e-5)
-        assert output.sums["reward_margin"] == pytest.approx(beta * sum(margins), rel=1e-5) and output.sums["weight"] == 2
+        assert (
+            output.sums["reward_margin"] == pytest.approx(beta * sum(margins), rel=1e-5) and output.sums["weight"] == 2
+        )

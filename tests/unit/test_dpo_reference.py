@@ -38,9 +38,18 @@ def folder(tmp_path_factory):
     lines = (REPO / "data/arithmetic/preference.jsonl").read_text().splitlines(keepends=True)[:8]
     (folder / "pairs.jsonl").write_text("".join(lines))
     tokenizer = build_tokenizer("char", ["".join(lines)])
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
     for seed, name in ((0, "start"), (1, "other")):
         torch.manual_seed(seed)
         LlamaForCausalLM(config).save_pretrained(folder / name)
@@ -63,8 +72,14 @@ def test_reference_is_frozen_and_partitioned_under_zero3(one_rank, folder):
     run = make_run(one_rank, folder, "default")
     reference, policy = run.strategy.reference, run.engines["policy"]
     assert isinstance(reference, FrozenEngine) and policy.zero_stage == 3
-    engine = reference._engine  # no optimizer (ZeRO-3's `optimizer` slot holds only its parameter fetcher) and no schedule
-    assert engine.basic_optimizer is None and engine.lr_scheduler is None and not isinstance(engine.optimizer, torch.optim.Optimizer)
+    engine = (
+        reference._engine
+    )  # no optimizer (ZeRO-3's `optimizer` slot holds only its parameter fetcher) and no schedule
+    assert (
+        engine.basic_optimizer is None
+        and engine.lr_scheduler is None
+        and not isinstance(engine.optimizer, torch.optim.Optimizer)
+    )
     assert engine.zero_optimization_stage() == 3
     assert not any(module.training for module in reference.module.modules())
     parameters = list(reference.module.parameters())
@@ -85,7 +100,11 @@ def test_reference_module_is_built_partitioned(one_rank, folder):
     ds_config = run.engines["policy"].ds_config
     model, _ = reference_model(run.job, run.tokenizer, ds_config)
     assert all(hasattr(p, "ds_id") and p.data.numel() == 0 for p in model.parameters())
-    plain, _ = reference_model(run.job.model_copy(update={"model": run.job.model.model_copy(update={"zero3_init": False})}), run.tokenizer, ds_config)
+    plain, _ = reference_model(
+        run.job.model_copy(update={"model": run.job.model.model_copy(update={"zero3_init": False})}),
+        run.tokenizer,
+        ds_config,
+    )
     assert not any(hasattr(p, "ds_id") for p in plain.parameters())
     stage2 = {**ds_config, "zero_optimization": {**ds_config["zero_optimization"], "stage": 2}}
     assert not any(hasattr(p, "ds_id") for p in reference_model(run.job, run.tokenizer, stage2)[0].parameters())
@@ -97,5 +116,7 @@ def test_reference_path_loads_another_model(one_rank, folder):
     expected, start = logits(load_causal_lm(folder / "other"), ids), logits(load_causal_lm(folder / "start"), ids)
     assert torch.allclose(logits(run.strategy.reference, ids), expected, atol=1e-5)
     assert not torch.allclose(expected, start, atol=1e-2)  # the two models differ, so the check above means something
-    assert torch.allclose(logits(run.engines["policy"].module, ids), start, atol=1e-5)  # the policy still starts from model.path
+    assert torch.allclose(
+        logits(run.engines["policy"].module, ids), start, atol=1e-5
+    )  # the policy still starts from model.path
     assert run.strategy.checkpoint_meta()["reference"] == str(folder / "other")

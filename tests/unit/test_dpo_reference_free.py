@@ -42,10 +42,18 @@ def folder(tmp_path_factory):
     lines = (REPO / "data/arithmetic/preference.jsonl").read_text().splitlines(keepends=True)[:4]
     (folder / "pairs.jsonl").write_text("".join(lines))
     tokenizer = build_tokenizer("char", ["".join(lines)])
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         bos_token_id=tokenizer.bos_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(folder / "start")
     tokenizer.save_pretrained(folder / "start")
@@ -90,8 +98,15 @@ def test_reference_free_loss_builds_no_reference_and_trains(one_rank, folder, lo
     assert state.step == STEPS
     records = read_metrics(folder / loss / "metrics.jsonl")
     assert [record["step"] for record in records] == list(range(1, STEPS + 1))
-    names = {"loss", "rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "logps_chosen",
-             "logps_rejected"}
+    names = {
+        "loss",
+        "rewards_chosen",
+        "rewards_rejected",
+        "reward_margin",
+        "reward_accuracy",
+        "logps_chosen",
+        "logps_rejected",
+    }
     if loss == "orpo":
         names |= {"nll_loss", "log_odds_ratio", "log_odds_chosen"}
     for record in records:
@@ -117,9 +132,11 @@ def test_sigmoid_still_builds_its_reference(one_rank, folder):
 @pytest.mark.parametrize("loss", ["simpo", "orpo"])
 @pytest.mark.parametrize(
     "override, key",
-    [("dpo.precompute_reference=true", "dpo.precompute_reference"),
-     ("model.reference_path={start}", "model.reference_path"),
-     ("dpo.label_smoothing=0.1", "dpo.label_smoothing")],
+    [
+        ("dpo.precompute_reference=true", "dpo.precompute_reference"),
+        ("model.reference_path={start}", "model.reference_path"),
+        ("dpo.label_smoothing=0.1", "dpo.label_smoothing"),
+    ],
 )
 def test_reference_keys_are_refused(folder, loss, override, key):
     config = write_config(folder, f"refused_{loss}")

@@ -12,13 +12,24 @@ from tests.conftest import REPO
 
 
 def build(section: DeepSpeedSection, template=None, **kwargs):
-    settings = dict(micro_batch_size=4, grad_accum_steps=2, max_grad_norm=1.0, precision="fp32", lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    settings = dict(
+        micro_batch_size=4,
+        grad_accum_steps=2,
+        max_grad_norm=1.0,
+        precision="fp32",
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     settings.update(kwargs)
     return build_ds_config(section, template_path=template, **settings)
 
 
 def test_template_then_job_then_overrides():
-    section = DeepSpeedSection(zero_stage=2, overrides={"zero_optimization": {"reduce_bucket_size": 1000}, "optimizer": {"params": {"eps": 1e-6}}})
+    section = DeepSpeedSection(
+        zero_stage=2,
+        overrides={"zero_optimization": {"reduce_bucket_size": 1000}, "optimizer": {"params": {"eps": 1e-6}}},
+    )
     config = build(section, REPO / "ds_configs/zero3.json")
     assert config["zero_optimization"]["stage"] == 2  # the job's stage beats the template's
     assert config["zero_optimization"]["contiguous_gradients"] is True  # kept from the template
@@ -67,8 +78,12 @@ def test_one_rank_runs_zero1_and_2_as_zero0_unless_kept_or_offloaded():
     assert build(DeepSpeedSection(zero_stage=1), world_size=1)["zero_optimization"]["stage"] == 0
     assert build(DeepSpeedSection(zero_stage=2), world_size=2)["zero_optimization"]["stage"] == 2
     assert build(DeepSpeedSection(zero_stage=3), world_size=1)["zero_optimization"]["stage"] == 3
-    assert build(DeepSpeedSection(zero_stage=2, single_rank_stage0=False), world_size=1)["zero_optimization"]["stage"] == 2
-    assert build(DeepSpeedSection(zero_stage=2, offload_optimizer="cpu"), world_size=1)["zero_optimization"]["stage"] == 2
+    assert (
+        build(DeepSpeedSection(zero_stage=2, single_rank_stage0=False), world_size=1)["zero_optimization"]["stage"] == 2
+    )
+    assert (
+        build(DeepSpeedSection(zero_stage=2, offload_optimizer="cpu"), world_size=1)["zero_optimization"]["stage"] == 2
+    )
 
 
 def test_threads_are_split_between_local_ranks(monkeypatch):

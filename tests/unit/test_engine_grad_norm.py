@@ -19,12 +19,31 @@ def test_zero0_reports_the_pre_clip_gradient_norm(one_rank, max_grad_norm):
     dist = one_rank
     assert dist.world_size == 1
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=50,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=16,
+        )
+    )
     reference = LlamaForCausalLM(model.config)
     reference.load_state_dict(model.state_dict())
-    config = build_ds_config(DeepSpeedSection(), template_path=None, micro_batch_size=2, grad_accum_steps=1, max_grad_norm=max_grad_norm,
-                             precision="fp32", lr=1e-2, betas=(0.9, 0.999), eps=1e-8, world_size=1)
+    config = build_ds_config(
+        DeepSpeedSection(),
+        template_path=None,
+        micro_batch_size=2,
+        grad_accum_steps=1,
+        max_grad_norm=max_grad_norm,
+        precision="fp32",
+        lr=1e-2,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        world_size=1,
+    )
     engine = make_engine(model, config, weight_decay=0.0, schedule=lambda completed: 1.0)
     assert engine.zero_stage == 0 and engine.grad_norm is None
     ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))

@@ -8,15 +8,21 @@ and an optimizer with one group instead of two, which breaks loading a checkpoin
 from __future__ import annotations
 
 import deepspeed
-import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from astrai.engine import parameter_groups
 
 
 def test_partitioned_matrices_still_decay(one_rank):
-    config = LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=1, max_position_embeddings=16)
+    config = LlamaConfig(
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+    )
     plain = LlamaForCausalLM(config)
     ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
     with deepspeed.zero.Init(config_dict_or_path=ds_config):

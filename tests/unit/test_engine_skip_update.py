@@ -15,11 +15,30 @@ from astrai.engine import build_ds_config, make_engine
 
 def tiny_engine(zero_stage: int):
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=50,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=16,
+        )
+    )
     section = DeepSpeedSection(zero_stage=zero_stage, single_rank_stage0=False)
-    config = build_ds_config(section, template_path=None, micro_batch_size=2, grad_accum_steps=1, max_grad_norm=1.0,
-                             precision="fp32", lr=1e-2, betas=(0.9, 0.999), eps=1e-8, world_size=1)
+    config = build_ds_config(
+        section,
+        template_path=None,
+        micro_batch_size=2,
+        grad_accum_steps=1,
+        max_grad_norm=1.0,
+        precision="fp32",
+        lr=1e-2,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        world_size=1,
+    )
     # A schedule that moves every update, so a schedule stepped by the skip would show in the lr.
     return make_engine(model, config, weight_decay=0.01, schedule=lambda completed: 1.0 / (completed + 1))
 

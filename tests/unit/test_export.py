@@ -25,9 +25,15 @@ from astrai.export import ExportError, export_checkpoint, export_finished_run, e
 from tests.conftest import REPO, child_env, python, run_bounded
 
 TINY_RUN = [
-    "train.max_steps=5", "checkpoint.every_steps=3", "checkpoint.keep_last=null", "train.micro_batch_size=4",
-    "model.init.hidden_size=32", "model.init.intermediate_size=64", "model.init.num_hidden_layers=2",
-    "runtime.progress_bar=false", "runtime.tensorboard=false",
+    "train.max_steps=5",
+    "checkpoint.every_steps=3",
+    "checkpoint.keep_last=null",
+    "train.micro_batch_size=4",
+    "model.init.hidden_size=32",
+    "model.init.intermediate_size=64",
+    "model.init.num_hidden_layers=2",
+    "runtime.progress_bar=false",
+    "runtime.tensorboard=false",
 ]
 NO_CRITIC = "checkpoint has no critic part (only online_ppo jobs have one)"
 # fp16 keeps 11 significant bits (relative rounding <= 2**-11 ~ 4.9e-4 per weight); with the forward
@@ -95,7 +101,14 @@ def test_export_loads_with_transformers_and_matches_the_consolidated_weights(exp
     batch = fixed_batch(model.config.vocab_size)
     torch.testing.assert_close(logits_of(loaded, batch), logits_of(model, batch), atol=1e-5, rtol=0)
     assert sorted(os.listdir(exported)) == sorted(
-        ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
+        [
+            "config.json",
+            "generation_config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "chat_template.jinja",
+        ]
     )
     assert oct(os.stat(exported / "model.safetensors").st_mode & 0o044) == oct(0o044)  # readable by others
 
@@ -112,10 +125,15 @@ def test_tokenizer_chat_template_and_generate(exported, trained):
     tokenizer = AutoTokenizer.from_pretrained(exported)
     trained_tokenizer = AutoTokenizer.from_pretrained(trained / "tokenizer")
     assert tokenizer.get_vocab() == trained_tokenizer.get_vocab()
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "12+7="}], add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "12+7="}], add_generation_prompt=True, tokenize=False
+    )
     assert prompt.endswith("<|im_start|>assistant\n")
     model = AutoModelForCausalLM.from_pretrained(exported)
-    assert (model.generation_config.eos_token_id, model.generation_config.pad_token_id) == (tokenizer.eos_token_id, tokenizer.pad_token_id)
+    assert (model.generation_config.eos_token_id, model.generation_config.pad_token_id) == (
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+    )
     inputs = tokenizer(prompt, return_tensors="pt")
     output = model.generate(**inputs, max_new_tokens=4, do_sample=False)
     assert output.shape[0] == 1 and inputs["input_ids"].shape[1] < output.shape[1] <= inputs["input_ids"].shape[1] + 4
@@ -170,20 +188,28 @@ def test_exported_tokenizer_encodes_and_renders_chats_as_in_training(exported, c
     special = ("eos_token_id", "pad_token_id", "bos_token_id")
     assert [getattr(tokenizer, name) for name in special] == [getattr(training, name) for name in special]
     chats = [row_messages(rows.dataset[index], index, job.data) for index in range(6)]
-    multi_turn = [{"role": "system", "content": "Reply with the number."}] + [message for chat in chats[:3] for message in chat]
+    multi_turn = [{"role": "system", "content": "Reply with the number."}] + [
+        message for chat in chats[:3] for message in chat
+    ]
     assert len(multi_turn) == 7
     for chat in [*chats, multi_turn]:
         for message in chat:
             assert tokenizer.encode(message["content"]) == training.encode(message["content"]), message
         for generation_prompt in (False, True):
             rendered = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=generation_prompt)
-            assert rendered == training.apply_chat_template(chat, tokenize=False, add_generation_prompt=generation_prompt)
+            assert rendered == training.apply_chat_template(
+                chat, tokenize=False, add_generation_prompt=generation_prompt
+            )
         assert chat_ids_and_mask(tokenizer, chat) == chat_ids_and_mask(training, chat)  # ids and loss mask as trained
     text = tokenizer.apply_chat_template(multi_turn, tokenize=False)
     assert text.count("<|im_start|>") == 7 and text.endswith("<|im_end|>\n")
     ids, mask = chat_ids_and_mask(tokenizer, multi_turn)
-    assert tokenizer.unk_token_id not in tokenizer.encode(chats[0][0]["content"])  # the data's characters are in the vocab
-    assert sum(mask) == sum(len(tokenizer.encode(m["content"] + "<|im_end|>\n")) for m in multi_turn if m["role"] == "assistant")
+    assert tokenizer.unk_token_id not in tokenizer.encode(
+        chats[0][0]["content"]
+    )  # the data's characters are in the vocab
+    assert sum(mask) == sum(
+        len(tokenizer.encode(m["content"] + "<|im_end|>\n")) for m in multi_turn if m["role"] == "assistant"
+    )
 
 
 def test_small_max_shard_size_writes_an_index(tmp_path, checkpoint, reference):
@@ -251,7 +277,12 @@ def test_corrupt_checkpoint_is_refused_unless_no_verify(tmp_path, checkpoint, ca
     state_file.write_bytes(bytes(data))
     assert export_main([str(copy), str(tmp_path / "hf")]) == 1
     error = capsys.readouterr().err
-    assert error.count("\n") == 1 and "wrong digest" in error and "trainer_state.json" in error and "Traceback" not in error
+    assert (
+        error.count("\n") == 1
+        and "wrong digest" in error
+        and "trainer_state.json" in error
+        and "Traceback" not in error
+    )
     assert not (tmp_path / "hf").exists()
     assert export_main([str(copy), str(tmp_path / "hf"), "--no-verify"]) == 0
 
@@ -310,7 +341,9 @@ def test_progress_bar_covers_consolidation_and_writing_for_large_exports(tmp_pat
     assert "export-hf: consolidating" not in capsys.readouterr().err
 
 
-def test_crash_while_writing_leaves_no_destination_and_keeps_an_earlier_export(tmp_path, checkpoint, monkeypatch, exported):
+def test_crash_while_writing_leaves_no_destination_and_keeps_an_earlier_export(
+    tmp_path, checkpoint, monkeypatch, exported
+):
     real_write = export.write_files
 
     def write_then_fail(model, tokenizer, staging, max_shard_size):

@@ -45,7 +45,9 @@ def minor_faults(mode: str) -> tuple[int, int]:
     env = child_env()
     for name in (*USER_SETTINGS, "LD_PRELOAD"):
         env.pop(name, None)
-    result = subprocess.run([sys.executable, "-c", PATTERNS, mode], capture_output=True, text=True, env=env, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", PATTERNS, mode], capture_output=True, text=True, env=env, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     growing, cycles = result.stdout.split()[-2:]
     return int(growing), int(cycles)
@@ -62,12 +64,15 @@ def test_tuned_thresholds_keep_freed_buffers_instead_of_faulting_them_in_again()
     assert tuned_cycles < 0.05 * 20 * 24 * PAGES_PER_MIB, tuned_cycles  # the same pages every round
 
 
-@pytest.mark.parametrize("environ, reason", [
-    ({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}, "jemalloc is preloaded"),
-    ({"LD_PRELOAD": "libtcmalloc_minimal.so.4"}, "tcmalloc is preloaded"),
-    ({"MALLOC_TRIM_THRESHOLD_": "0"}, "MALLOC_TRIM_THRESHOLD_ is set"),
-    ({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"}, "GLIBC_TUNABLES is set"),
-])
+@pytest.mark.parametrize(
+    "environ, reason",
+    [
+        ({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"}, "jemalloc is preloaded"),
+        ({"LD_PRELOAD": "libtcmalloc_minimal.so.4"}, "tcmalloc is preloaded"),
+        ({"MALLOC_TRIM_THRESHOLD_": "0"}, "MALLOC_TRIM_THRESHOLD_ is set"),
+        ({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"}, "GLIBC_TUNABLES is set"),
+    ],
+)
 def test_a_user_allocator_or_setting_is_left_alone(environ, reason, caplog):
     if _reason_to_leave({}) is not None:
         pytest.skip("glibc only")

@@ -46,8 +46,13 @@ runtime:
     ASTR_TEST_PUNCTUATION: "a=b;c|d (e) 'f' #g"
 """
 RENDERED = {
-    "NCCL_DEBUG": "INFO", "ASTR_TEST_NULL": "", "ASTR_TEST_BOOL": "True", "ASTR_TEST_NUMBER": "0.0015", "ASTR_TEST_INT": "8",
-    "ASTR_TEST_WORDS": "two words", "ASTR_TEST_PUNCTUATION": "a=b;c|d (e) 'f' #g",
+    "NCCL_DEBUG": "INFO",
+    "ASTR_TEST_NULL": "",
+    "ASTR_TEST_BOOL": "True",
+    "ASTR_TEST_NUMBER": "0.0015",
+    "ASTR_TEST_INT": "8",
+    "ASTR_TEST_WORDS": "two words",
+    "ASTR_TEST_PUNCTUATION": "a=b;c|d (e) 'f' #g",
 }
 TWO_NODES = "infra:\n  launcher: {launcher}\n  nodes: [{{host: node-a, slots: 8}}, {{host: node-b, slots: 8}}]\n"
 
@@ -68,6 +73,7 @@ def no_nccl_in_this_shell(monkeypatch):
 @pytest.fixture
 def resolver(monkeypatch):
     """Host names resolve except those starting with `nosuch` (no DNS in unit tests)."""
+
     def getaddrinfo(host, port, *args, **kwargs):
         if str(host).startswith("nosuch"):
             raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
@@ -82,7 +88,9 @@ def dry_run(capsys, config: str, *extra: str) -> tuple[int, str, str]:
     return code, captured.out.strip(), captured.err
 
 
-def expected(folder: Path, flags: list[str], *, environment: dict | None = None, script: str = TRAIN, sets: tuple = ()) -> str:
+def expected(
+    folder: Path, flags: list[str], *, environment: dict | None = None, script: str = TRAIN, sets: tuple = ()
+) -> str:
     launch_dir = folder / "out" / "launch"
     command = ["env", f"DS_ENV_FILE={launch_dir}/deepspeed_env", *(f"{k}={v}" for k, v in (environment or {}).items())]
     command += [DEEPSPEED, "--hostfile", f"{launch_dir}/hostfile", *flags, script, "--config", str(folder / "job.yaml")]
@@ -105,9 +113,23 @@ def test_dry_run_pdsh_passes_overrides_through(tmp_path, capsys, resolver):
 
 
 def test_dry_run_openmpi_exports_the_rendezvous_to_ranks_mpirun_starts(tmp_path, capsys, resolver):
-    config = write_job(tmp_path, TWO_NODES.format(launcher="openmpi") + "  master_addr: 10.1.2.3\n  master_port: 29600\n", "runtime: {environment: {NCCL_DEBUG: WARN}}\n")
+    config = write_job(
+        tmp_path,
+        TWO_NODES.format(launcher="openmpi") + "  master_addr: 10.1.2.3\n  master_port: 29600\n",
+        "runtime: {environment: {NCCL_DEBUG: WARN}}\n",
+    )
     code, out, _ = dry_run(capsys, config, "--launcher-args", "--mca btl_tcp_if_include ib0")
-    flags = ["--master_addr", "10.1.2.3", "--master_port", "29600", "--launcher", "openmpi", "--force_multi", "--launcher_args", "--mca btl_tcp_if_include ib0"]
+    flags = [
+        "--master_addr",
+        "10.1.2.3",
+        "--master_port",
+        "29600",
+        "--launcher",
+        "openmpi",
+        "--force_multi",
+        "--launcher_args",
+        "--mca btl_tcp_if_include ib0",
+    ]
     assert code == 0 and out == expected(tmp_path, flags)
     env_file = (tmp_path / "out/launch/deepspeed_env").read_text()
     assert env_file == "NCCL_DEBUG=WARN\nASTR_LAUNCHER=openmpi\nMASTER_ADDR=10.1.2.3\nMASTER_PORT=29600\n"
@@ -116,17 +138,45 @@ def test_dry_run_openmpi_exports_the_rendezvous_to_ranks_mpirun_starts(tmp_path,
 def test_dry_run_slurm_skips_the_ssh_check_and_asks_for_the_nodes(tmp_path, capsys, resolver):
     config = write_job(tmp_path, TWO_NODES.format(launcher="slurm"))
     code, out, _ = dry_run(capsys, config)
-    flags = ["--master_addr", "node-a", "--master_port", "29500", "--launcher", "slurm", "--force_multi", "--no_ssh_check", "--num_nodes", "2"]
+    flags = [
+        "--master_addr",
+        "node-a",
+        "--master_port",
+        "29500",
+        "--launcher",
+        "slurm",
+        "--force_multi",
+        "--no_ssh_check",
+        "--num_nodes",
+        "2",
+    ]
     assert code == 0 and out == expected(tmp_path, flags)
-    assert "ASTR_LAUNCHER=slurm\nMASTER_ADDR=node-a\nMASTER_PORT=29500\n" in (tmp_path / "out/launch/deepspeed_env").read_text()
+    assert (
+        "ASTR_LAUNCHER=slurm\nMASTER_ADDR=node-a\nMASTER_PORT=29500\n"
+        in (tmp_path / "out/launch/deepspeed_env").read_text()
+    )
 
 
 def test_dry_run_no_ssh_puts_the_environment_on_the_command(tmp_path, capsys, resolver):
     config = write_job(tmp_path, TWO_NODES.format(launcher="no_ssh"), ENVIRONMENT)
     code, out, _ = dry_run(capsys, config, "--node-rank", "1")
-    flags = ["--master_addr", "node-a", "--master_port", "29500", "--no_ssh", "--node_rank", "1", "--num_nodes", "2", "--num_gpus", "8"]
+    flags = [
+        "--master_addr",
+        "node-a",
+        "--master_port",
+        "29500",
+        "--no_ssh",
+        "--node_rank",
+        "1",
+        "--num_nodes",
+        "2",
+        "--num_gpus",
+        "8",
+    ]
     assert code == 0 and out == expected(tmp_path, flags, environment=RENDERED)
-    assert shlex.split(out)[1:9] == ["DS_ENV_FILE=" + str(tmp_path / "out/launch/deepspeed_env")] + [f"{k}={v}" for k, v in RENDERED.items()]
+    assert shlex.split(out)[1:9] == ["DS_ENV_FILE=" + str(tmp_path / "out/launch/deepspeed_env")] + [
+        f"{k}={v}" for k, v in RENDERED.items()
+    ]
 
 
 def test_dry_run_no_ssh_with_unequal_slots_leaves_the_counts_to_the_hostfile(tmp_path, capsys, resolver):
@@ -155,17 +205,38 @@ def test_a_hostfile_is_read_relative_to_the_job_and_rewritten(tmp_path, capsys, 
 BAD_HOSTS = {
     "no nodes at all": ("infra: {launcher: pdsh}\n", "needs infra.nodes or infra.hostfile"),
     "empty nodes": ("infra: {nodes: []}\n", "infra.nodes lists no nodes"),
-    "zero slots": ("infra: {nodes: [{host: node-a, slots: 0}]}\n", "infra.nodes.0.slots: Input should be greater than or equal to 1"),
+    "zero slots": (
+        "infra: {nodes: [{host: node-a, slots: 0}]}\n",
+        "infra.nodes.0.slots: Input should be greater than or equal to 1",
+    ),
     "zero slots in a hostfile": ("infra: {hostfile: HOSTS}\n", "has slots=0; every node runs at least one rank"),
     "bad hostfile line": ("infra: {hostfile: HOSTS}\n", "'node-b' is not a `host slots=N` line"),
     "missing hostfile": ("infra: {hostfile: missing_hosts}\n", "infra.hostfile: 'missing_hosts' does not exist"),
-    "host twice": ("infra: {nodes: [{host: node-a, slots: 1}, {host: node-a, slots: 1}]}\n", "infra.nodes[1]: host node-a is listed twice (also at infra.nodes[0])"),
-    "unresolvable host": ("infra: {nodes: [{host: node-a, slots: 1}, {host: nosuch-b, slots: 1}]}\n", "infra.nodes[1]: host 'nosuch-b' does not resolve"),
-    "unresolvable master": ("infra: {master_addr: nosuch-master, nodes: [{host: node-a, slots: 1}]}\n", "infra.master_addr: host 'nosuch-master' does not resolve"),
-    "loopback master": ("infra: {master_addr: 127.0.0.1, nodes: [{host: node-a, slots: 1}, {host: node-b, slots: 1}]}\n", "127.0.0.1 is a loopback address, which node-a, node-b cannot reach"),
+    "host twice": (
+        "infra: {nodes: [{host: node-a, slots: 1}, {host: node-a, slots: 1}]}\n",
+        "infra.nodes[1]: host node-a is listed twice (also at infra.nodes[0])",
+    ),
+    "unresolvable host": (
+        "infra: {nodes: [{host: node-a, slots: 1}, {host: nosuch-b, slots: 1}]}\n",
+        "infra.nodes[1]: host 'nosuch-b' does not resolve",
+    ),
+    "unresolvable master": (
+        "infra: {master_addr: nosuch-master, nodes: [{host: node-a, slots: 1}]}\n",
+        "infra.master_addr: host 'nosuch-master' does not resolve",
+    ),
+    "loopback master": (
+        "infra: {master_addr: 127.0.0.1, nodes: [{host: node-a, slots: 1}, {host: node-b, slots: 1}]}\n",
+        "127.0.0.1 is a loopback address, which node-a, node-b cannot reach",
+    ),
     "host with a comma": ("infra: {nodes: [{host: 'node-a,node-b', slots: 1}]}\n", "is not a host name"),
-    "slurm unequal slots": ("infra: {launcher: slurm, nodes: [{host: node-a, slots: 8}, {host: node-b, slots: 4}]}\n", "slots differ: node-a=8, node-b=4"),
-    "more slots than gpus": ("infra: {gpus_per_node: 4, nodes: [{host: node-a, slots: 8}]}\n", "slots=8, more ranks than infra.gpus_per_node=4"),
+    "slurm unequal slots": (
+        "infra: {launcher: slurm, nodes: [{host: node-a, slots: 8}, {host: node-b, slots: 4}]}\n",
+        "slots differ: node-a=8, node-b=4",
+    ),
+    "more slots than gpus": (
+        "infra: {gpus_per_node: 4, nodes: [{host: node-a, slots: 8}]}\n",
+        "slots=8, more ranks than infra.gpus_per_node=4",
+    ),
 }
 HOSTFILES = {"zero slots in a hostfile": "node-a slots=0\n", "bad hostfile line": "node-a slots=2\nnode-b\n"}
 
@@ -185,7 +256,11 @@ def test_a_wrong_host_list_fails_before_anything_starts(tmp_path, capsys, resolv
 @pytest.mark.parametrize(
     "launcher, arguments, message",
     [
-        ("no_ssh", [], "infra.launcher no_ssh: give --node-rank K and run the same launch on every node (K = 0 .. 1, 0 on node-a)"),
+        (
+            "no_ssh",
+            [],
+            "infra.launcher no_ssh: give --node-rank K and run the same launch on every node (K = 0 .. 1, 0 on node-a)",
+        ),
         ("no_ssh", ["--node-rank", "2"], "--node-rank 2: the job has 2 nodes (0 .. 1)"),
         ("pdsh", ["--node-rank", "0"], "--node-rank is for infra.launcher no_ssh only; pdsh starts every node itself"),
     ],
@@ -220,7 +295,9 @@ def test_environment_is_rendered_as_train_py_exports_it(monkeypatch):
         monkeypatch.setenv(key, "before")  # so that the test's end restores each one
     apply_environment(environment)
     assert {key: os.environ[key] for key in RENDERED} == values
-    assert warnings == ["runtime.environment.ASTR_TEST_BOOL: YAML true is exported as 'True'; NCCL and most C libraries want 1 or 0"]
+    assert warnings == [
+        "runtime.environment.ASTR_TEST_BOOL: YAML true is exported as 'True'; NCCL and most C libraries want 1 or 0"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -228,8 +305,8 @@ def test_environment_is_rendered_as_train_py_exports_it(monkeypatch):
     [
         ({"A": "two\nlines"}, "pdsh", "a value of several lines"),
         ({"A": " padded"}, "pdsh", "starts or ends with white space"),
-        ({"A": "$HOME/x"}, "pdsh", "holds one of \" $ ` \\"),
-        ({"A": 'say "hi"'}, "openmpi", "holds one of \" $ ` \\"),
+        ({"A": "$HOME/x"}, "pdsh", 'holds one of " $ ` \\'),
+        ({"A": 'say "hi"'}, "openmpi", 'holds one of " $ ` \\'),
         ({"A": "a,b"}, "slurm", "holds a comma"),
         ({"RANK": 0}, "pdsh", "runtime.environment.RANK: set for each rank by the launcher"),
         ({"MASTER_ADDR": "x"}, "pdsh", "set infra.master_addr instead"),
@@ -258,14 +335,19 @@ def test_nccl_variables_of_this_shell_reach_no_rank_unless_the_job_lists_them(tm
     config = write_job(tmp_path, TWO_NODES.format(launcher="no_ssh"), ENVIRONMENT)  # lists NCCL_DEBUG: INFO
     code, out, err = dry_run(capsys, config, "--node-rank", "0")
     assert code == 0, err
-    assert "warning: not passed to the job: NCCL_SOCKET_IFNAME, TORCH_NCCL_BLOCKING_WAIT (set in this shell, not in runtime.environment" in err
+    assert (
+        "warning: not passed to the job: NCCL_SOCKET_IFNAME, TORCH_NCCL_BLOCKING_WAIT (set in this shell, not in runtime.environment"
+        in err
+    )
     assert shlex.split(out)[:5] == ["env", "-u", "NCCL_SOCKET_IFNAME", "-u", "TORCH_NCCL_BLOCKING_WAIT"]
     from astrai.train import load_and_check
 
     plan = launch.plan_launch(load_and_check(config, []), config, [], node_rank=0)
     handed = plan.launcher_environment(os.environ)
     assert "NCCL_SOCKET_IFNAME" not in handed and "TORCH_NCCL_BLOCKING_WAIT" not in handed
-    assert handed["NCCL_DEBUG"] == "INFO" and handed["PATH"] == os.environ["PATH"]  # the job's value; the rest of the shell stays
+    assert (
+        handed["NCCL_DEBUG"] == "INFO" and handed["PATH"] == os.environ["PATH"]
+    )  # the job's value; the rest of the shell stays
 
 
 FAKE_SSH = """#!{python}
@@ -290,7 +372,14 @@ def fake_programs(folder: Path, record: Path) -> Path:
         f"json.dump(dict(os.environ), open({str(record) + '.env'!r}, 'w'))\n"
     )
     ssh = FAKE_SSH.format(python=sys.executable, log=str(folder / "ssh.log"))
-    for name, body in {"ssh": ssh, "ompi_info": "#!/bin/sh\nexit 0\n", "sinfo": "#!/bin/sh\nexit 0\n", "pdsh": recorder, "mpirun": recorder, "srun": recorder}.items():
+    for name, body in {
+        "ssh": ssh,
+        "ompi_info": "#!/bin/sh\nexit 0\n",
+        "sinfo": "#!/bin/sh\nexit 0\n",
+        "pdsh": recorder,
+        "mpirun": recorder,
+        "srun": recorder,
+    }.items():
         (bin_dir / name).write_text(body)
         (bin_dir / name).chmod(0o755)
     return bin_dir
@@ -307,7 +396,11 @@ def launch_with_fakes(tmp_path, capsys, monkeypatch, launcher: str, expect: int 
     for key, value in child_env().items():
         monkeypatch.setenv(key, value)
     nodes = f"infra:\n  launcher: {launcher}\n  nodes: [{{host: localhost, slots: 2}}, {{host: 127.0.0.2, slots: 2}}]\n"
-    environment = ENVIRONMENT.replace("    ASTR_TEST_PUNCTUATION", "    ASTR_TEST_PUNCTUATION_UNUSED") if launcher == "slurm" else ENVIRONMENT
+    environment = (
+        ENVIRONMENT.replace("    ASTR_TEST_PUNCTUATION", "    ASTR_TEST_PUNCTUATION_UNUSED")
+        if launcher == "slurm"
+        else ENVIRONMENT
+    )
     code = launch_main(["--config", write_job(tmp_path, nodes, environment)])
     assert code == expect, capsys.readouterr().err
     return json.loads(record.read_text()) if record.exists() else []
@@ -323,12 +416,20 @@ def test_pdsh_nodes_get_every_value_exactly_and_nothing_stray(tmp_path, capsys, 
     assert argv[argv.index("-w") + 1] == "localhost,127.0.0.2"
     exports = next(part for part in argv if part.startswith("export "))
     # What each node's shell does with the line pdsh hands it.
-    shell = subprocess.run(["bash", "-c", f"{exports} env -0"], env={"PATH": os.environ["PATH"]}, capture_output=True, text=True, check=True)
+    shell = subprocess.run(
+        ["bash", "-c", f"{exports} env -0"],
+        env={"PATH": os.environ["PATH"]},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     seen = dict(item.split("=", 1) for item in shell.stdout.split("\0") if "=" in item)
     assert {key: seen.get(key) for key in RENDERED} == RENDERED
     assert "ASTR_TEST_STRAY" not in seen
     # Every node was probed the way pdsh reaches it before anything started.
-    probes = sorted(call for call in ssh_calls(tmp_path) if call.endswith(" true"))  # DeepSpeed's own check runs `hostname`
+    probes = sorted(
+        call for call in ssh_calls(tmp_path) if call.endswith(" true")
+    )  # DeepSpeed's own check runs `hostname`
     assert probes == ["127.0.0.2 true", "localhost true"]
 
 
@@ -347,7 +448,10 @@ def test_a_node_ssh_cannot_reach_fails_before_anything_starts(tmp_path, capsys, 
     monkeypatch.setenv("FAKE_SSH_DOWN", "127.0.0.2")
     assert launch_with_fakes(tmp_path, capsys, monkeypatch, "pdsh", expect=2) == []  # pdsh never ran
     err = capsys.readouterr().err
-    assert "not reachable by passwordless ssh" in err and "127.0.0.2 (infra.nodes[1]): ssh: connect to host 127.0.0.2 port 22: Connection refused" in err
+    assert (
+        "not reachable by passwordless ssh" in err
+        and "127.0.0.2 (infra.nodes[1]): ssh: connect to host 127.0.0.2 port 22: Connection refused" in err
+    )
     assert "localhost" not in err.split("not reachable")[1]
     assert sorted(ssh_calls(tmp_path)) == ["127.0.0.2 true", "localhost true"]
     assert not (tmp_path / "out/launch").exists()
@@ -356,7 +460,9 @@ def test_a_node_ssh_cannot_reach_fails_before_anything_starts(tmp_path, capsys, 
 def test_the_ssh_probe_is_skipped_for_dry_runs_and_slurm(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("FAKE_SSH_DOWN", "localhost,127.0.0.2")
     launch_with_fakes(tmp_path, capsys, monkeypatch, "slurm")
-    config = write_job(tmp_path, "infra:\n  launcher: pdsh\n  nodes: [{host: localhost, slots: 1}, {host: 127.0.0.2, slots: 1}]\n")
+    config = write_job(
+        tmp_path, "infra:\n  launcher: pdsh\n  nodes: [{host: localhost, slots: 1}, {host: 127.0.0.2, slots: 1}]\n"
+    )
     code, _, err = dry_run(capsys, config)
     assert code == 0, err
     assert ssh_calls(tmp_path) == []
@@ -371,7 +477,11 @@ def test_mpirun_gets_the_values_and_the_rendezvous(tmp_path, capsys, monkeypatch
     assert argv[1:5] == ["-n", "4", "-hostfile", str(tmp_path / "out/launch/hostfile")]
     exported = dict(argv[index + 1].split("=", 1) for index, part in enumerate(argv) if part == "-x")
     assert {key: exported.get(key) for key in RENDERED} == {key: quoted(value) for key, value in RENDERED.items()}
-    assert exported["ASTR_LAUNCHER"] == "openmpi" and exported["MASTER_ADDR"] == "localhost" and exported["MASTER_PORT"] == "29500"
+    assert (
+        exported["ASTR_LAUNCHER"] == "openmpi"
+        and exported["MASTER_ADDR"] == "localhost"
+        and exported["MASTER_PORT"] == "29500"
+    )
     assert "ASTR_TEST_STRAY" not in exported
 
 
@@ -380,7 +490,9 @@ def test_srun_gets_the_values_and_the_rendezvous(tmp_path, capsys, monkeypatch):
     assert argv[1:5] == ["-n", "4", "--nodes", "2"]
     export = next(part for part in argv if part.startswith("--export=ALL,"))
     exported = dict(item.split("=", 1) for item in export.removeprefix("--export=ALL,").split(","))
-    expected_values = {key.replace("PUNCTUATION", "PUNCTUATION_UNUSED"): quoted(value) for key, value in RENDERED.items()}
+    expected_values = {
+        key.replace("PUNCTUATION", "PUNCTUATION_UNUSED"): quoted(value) for key, value in RENDERED.items()
+    }
     assert {key: exported.get(key) for key in expected_values} == expected_values
     assert exported["ASTR_LAUNCHER"] == "slurm" and "ASTR_TEST_STRAY" not in exported
 
@@ -389,10 +501,32 @@ def test_srun_gets_the_values_and_the_rendezvous(tmp_path, capsys, monkeypatch):
 
 
 def test_ranks_started_by_mpirun_or_srun_get_torch_variables_only_when_launch_marked_them():
-    openmpi = {"ASTR_LAUNCHER": "openmpi", "OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "16", "OMPI_COMM_WORLD_LOCAL_RANK": "5", "OMPI_COMM_WORLD_LOCAL_SIZE": "8"}
-    assert preflight.prepare_rank_environment(openmpi) == {"RANK": "5", "WORLD_SIZE": "16", "LOCAL_RANK": "5", "LOCAL_SIZE": "8"}
-    slurm = {"ASTR_LAUNCHER": "slurm", "SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_NODEID": "1"}
-    assert preflight.prepare_rank_environment(slurm) == {"RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "NODE_RANK": "1"}
+    openmpi = {
+        "ASTR_LAUNCHER": "openmpi",
+        "OMPI_COMM_WORLD_RANK": "5",
+        "OMPI_COMM_WORLD_SIZE": "16",
+        "OMPI_COMM_WORLD_LOCAL_RANK": "5",
+        "OMPI_COMM_WORLD_LOCAL_SIZE": "8",
+    }
+    assert preflight.prepare_rank_environment(openmpi) == {
+        "RANK": "5",
+        "WORLD_SIZE": "16",
+        "LOCAL_RANK": "5",
+        "LOCAL_SIZE": "8",
+    }
+    slurm = {
+        "ASTR_LAUNCHER": "slurm",
+        "SLURM_PROCID": "9",
+        "SLURM_NTASKS": "16",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "1",
+    }
+    assert preflight.prepare_rank_environment(slurm) == {
+        "RANK": "9",
+        "WORLD_SIZE": "16",
+        "LOCAL_RANK": "1",
+        "NODE_RANK": "1",
+    }
     inside_sbatch = {"SLURM_PROCID": "0", "SLURM_NTASKS": "16"}  # a lone `python astrai/train.py` in a batch script
     assert preflight.prepare_rank_environment(inside_sbatch) == {} and "RANK" not in inside_sbatch
     already = {"ASTR_LAUNCHER": "slurm", "RANK": "3", "SLURM_PROCID": "9"}
@@ -419,16 +553,45 @@ def test_environment_at_exec_is_the_environment_the_process_started_with(monkeyp
     assert at_exec is not None and "PATH" in at_exec and "ASTR_TEST_SET_LATER" not in at_exec
 
 
-def facts(rank, node_rank, host, *, torch_version="2.13.0", deepspeed_version="0.19.8", kind="cpu", node_devices=0, local_rank=0, nccl=None, topology=None):
+def facts(
+    rank,
+    node_rank,
+    host,
+    *,
+    torch_version="2.13.0",
+    deepspeed_version="0.19.8",
+    kind="cpu",
+    node_devices=0,
+    local_rank=0,
+    nccl=None,
+    topology=None,
+):
     return {
-        "rank": rank, "node_rank": node_rank, "host": host, "local_rank": local_rank, "device_kind": kind, "node_devices": node_devices,
-        "topology": topology, "versions": {"python": "3.11.9", "torch": torch_version, "deepspeed": deepspeed_version, "cuda": None},
+        "rank": rank,
+        "node_rank": node_rank,
+        "host": host,
+        "local_rank": local_rank,
+        "device_kind": kind,
+        "node_devices": node_devices,
+        "topology": topology,
+        "versions": {"python": "3.11.9", "torch": torch_version, "deepspeed": deepspeed_version, "cuda": None},
         "communication_environment": nccl or {},
     }
 
 
 def test_matching_ranks_pass_and_are_summarized():
-    everyone = [facts(r, r // 2, f"node-{'ab'[r // 2]}", kind="NVIDIA H100", node_devices=2, local_rank=r % 2, nccl={"NCCL_DEBUG": "WARN"}) for r in range(4)]
+    everyone = [
+        facts(
+            r,
+            r // 2,
+            f"node-{'ab'[r // 2]}",
+            kind="NVIDIA H100",
+            node_devices=2,
+            local_rank=r % 2,
+            nccl={"NCCL_DEBUG": "WARN"},
+        )
+        for r in range(4)
+    ]
     summary = preflight.summarize(everyone)
     assert preflight.find_problems(summary, everyone, gpus_per_node=2) == []
     assert [(node["host"], node["ranks"]) for node in summary["nodes"]] == [("node-a", [0, 1]), ("node-b", [2, 3])]
@@ -440,8 +603,12 @@ def test_matching_ranks_pass_and_are_summarized():
 
 
 def test_mismatches_are_named_with_their_ranks():
-    everyone = [facts(0, 0, "node-a", kind="NVIDIA H100", node_devices=8), facts(1, 0, "node-a", local_rank=0, kind="NVIDIA H100", node_devices=8),
-                facts(2, 1, "node-b", torch_version="2.12.1", node_devices=4), facts(3, 1, "node-b", local_rank=1, torch_version="2.12.1", node_devices=4)]
+    everyone = [
+        facts(0, 0, "node-a", kind="NVIDIA H100", node_devices=8),
+        facts(1, 0, "node-a", local_rank=0, kind="NVIDIA H100", node_devices=8),
+        facts(2, 1, "node-b", torch_version="2.12.1", node_devices=4),
+        facts(3, 1, "node-b", local_rank=1, torch_version="2.12.1", node_devices=4),
+    ]
     problems = preflight.find_problems(preflight.summarize(everyone), everyone, gpus_per_node=8)
     assert problems == [
         "ranks run different torch versions (2.12.1 on ranks 2-3; 2.13.0 on ranks 0-1): install the same torch on every node",
@@ -452,7 +619,10 @@ def test_mismatches_are_named_with_their_ranks():
 
 
 def test_a_deepspeed_version_mismatch_is_named_with_its_ranks():
-    everyone = [facts(r, r // 2, f"node-{'ab'[r // 2]}", local_rank=r % 2, deepspeed_version="0.19.8" if r < 2 else "0.18.4") for r in range(4)]
+    everyone = [
+        facts(r, r // 2, f"node-{'ab'[r // 2]}", local_rank=r % 2, deepspeed_version="0.19.8" if r < 2 else "0.18.4")
+        for r in range(4)
+    ]
     summary = preflight.summarize(everyone)
     assert preflight.find_problems(summary, everyone, gpus_per_node=None) == [
         "ranks run different deepspeed versions (0.18.4 on ranks 2-3; 0.19.8 on ranks 0-1): install the same deepspeed on every node",
@@ -478,15 +648,23 @@ def test_interconnect_topology_comes_from_nvidia_smi_and_joins_the_description(t
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     matrix = preflight.interconnect_topology()
     assert matrix == TOPOLOGY and (tmp_path / "nvidia-smi.args").read_text() == "topo -m\n"
-    everyone = [facts(0, 0, "node-a", kind="NVIDIA H100", node_devices=2, topology=matrix), facts(1, 0, "node-a", kind="NVIDIA H100", node_devices=2, local_rank=1)]
+    everyone = [
+        facts(0, 0, "node-a", kind="NVIDIA H100", node_devices=2, topology=matrix),
+        facts(1, 0, "node-a", kind="NVIDIA H100", node_devices=2, local_rank=1),
+    ]
     lines = preflight.describe(preflight.summarize(everyone))
     assert lines[-1] == "topology of node 0 node-a (nvidia-smi topo -m):\n" + matrix.rstrip()
 
 
 def test_interconnect_topology_failures_are_reported_not_raised(tmp_path, monkeypatch):
-    bin_dir = fake_nvidia_smi(tmp_path, "echo 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver' >&2; exit 9")
+    bin_dir = fake_nvidia_smi(
+        tmp_path, "echo 'NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver' >&2; exit 9"
+    )
     monkeypatch.setenv("PATH", str(bin_dir))
-    assert preflight.interconnect_topology() == "nvidia-smi topo -m failed: NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver"
+    assert (
+        preflight.interconnect_topology()
+        == "nvidia-smi topo -m failed: NVIDIA-SMI has failed because it could not communicate with the NVIDIA driver"
+    )
     monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
     assert preflight.interconnect_topology() is None
 
@@ -510,26 +688,49 @@ def test_one_rank_writes_its_report_and_the_preflight(tmp_path, monkeypatch):
     assert sorted(path.name for path in ranks.iterdir()) == ["rank_0.json"]
     written = json.loads((ranks / "rank_0.json").read_text())
     assert written == json.loads(json.dumps(report))
-    assert written["environment"]["ASTR_TEST_WORDS"] == "changed by someone" and written["environment"]["ASTR_TEST_INT"] is None
-    assert (written["rank"], written["node_rank"], written["world_size"], written["device"], written["joined_process_group"]) == (0, 0, 1, "cpu", True)
+    assert (
+        written["environment"]["ASTR_TEST_WORDS"] == "changed by someone"
+        and written["environment"]["ASTR_TEST_INT"] is None
+    )
+    assert (
+        written["rank"],
+        written["node_rank"],
+        written["world_size"],
+        written["device"],
+        written["joined_process_group"],
+    ) == (0, 0, 1, "cpu", True)
     assert written["host"] == socket.gethostname() and written["pid"] == os.getpid()
     assert written["topology"] is None  # asked of nvidia-smi only on GPU ranks
     assert written["versions"]["torch"] == torch.__version__ and written["versions"]["deepspeed"]
     with pytest.raises(PreflightError, match="node 0 .* has 0 GPUs, infra.gpus_per_node says 8"):
         preflight.preflight_check(job, dist, report)
-    assert json.loads((ranks / "preflight.json").read_text())["problems"] == [f"node 0 ({written['host']}) has 0 GPUs, infra.gpus_per_node says 8"]
+    assert json.loads((ranks / "preflight.json").read_text())["problems"] == [
+        f"node 0 ({written['host']}) has 0 GPUs, infra.gpus_per_node says 8"
+    ]
 
 
 def test_before_the_rendezvous_the_report_comes_from_the_launcher_variables(tmp_path, monkeypatch):
     from astrai.config import load_job
 
     job = load_job(write_job(tmp_path, ENVIRONMENT))
-    for name, value in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "CROSS_RANK": "1", "LOCAL_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29511"}.items():
+    for name, value in {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "CROSS_RANK": "1",
+        "LOCAL_SIZE": "2",
+        "MASTER_ADDR": "10.0.0.1",
+        "MASTER_PORT": "29511",
+    }.items():
         monkeypatch.setenv(name, value)
     preflight.write_rank_report(job)
     written = json.loads((tmp_path / "out/ranks/rank_3.json").read_text())
     assert (written["rank"], written["world_size"], written["local_rank"], written["node_rank"]) == (3, 4, 1, 1)
-    assert (written["joined_process_group"], written["rendezvous"], written["backend"]) == (False, "10.0.0.1:29511", "gloo")
+    assert (written["joined_process_group"], written["rendezvous"], written["backend"]) == (
+        False,
+        "10.0.0.1:29511",
+        "gloo",
+    )
 
 
 def test_the_example_multinode_job_validates_and_renders_cleanly():
@@ -549,7 +750,11 @@ def test_dry_run_stdout_is_the_command_alone_in_a_fresh_process(tmp_path):
     config = write_job(tmp_path, nodes)
     finished = subprocess.run(
         [sys.executable, "-m", "astrai", "launch", "--config", config, "--dry-run"],
-        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert finished.returncode == 0, finished.stderr
     lines = finished.stdout.splitlines()

@@ -33,14 +33,30 @@ def test_other_ranks_write_nothing(tmp_path):
 
 
 def test_numeric_series_skips_text_and_none():
-    series = numeric_series([{"step": 1, "loss": 2.0, "note": "x", "grad_norm": None, "ok": True}, {"step": 2, "loss": 1.0}])
+    series = numeric_series(
+        [{"step": 1, "loss": 2.0, "note": "x", "grad_norm": None, "ok": True}, {"step": 2, "loss": 1.0}]
+    )
     assert series == {"loss": ([1, 2], [2.0, 1.0])}
 
 
 def test_plot_tool_writes_png(tmp_path):
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 3.0 / s, "lr": 0.01}) + "\n" for s in range(1, 20)))
-    result = subprocess.run([sys.executable, "-m", "astrai", "plot", str(tmp_path), "-o", str(tmp_path / "c.png")], capture_output=True, text=True, env=child_env(), cwd=REPO)
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "loss": 3.0 / s, "lr": 0.01}) + "\n" for s in range(1, 20))
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "astrai", "plot", str(tmp_path), "-o", str(tmp_path / "c.png")],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    missing = subprocess.run([sys.executable, "-m", "astrai", "plot", str(tmp_path / "nope")], capture_output=True, text=True, env=child_env(), cwd=REPO)
+    missing = subprocess.run(
+        [sys.executable, "-m", "astrai", "plot", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        cwd=REPO,
+    )
     assert missing.returncode == 1 and "no metrics.jsonl" in missing.stderr

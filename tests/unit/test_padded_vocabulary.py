@@ -39,8 +39,15 @@ def model(tokenizer):
     assert len(tokenizer) < MODEL_ROWS / 2  # most output rows are padding
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=MODEL_ROWS, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=64, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=MODEL_ROWS,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
     )
     return LlamaForCausalLM(config).eval()
 
@@ -58,8 +65,12 @@ def test_real_vocabulary_is_a_view_and_token_logprobs_renormalise_over_it():
     assert real_vocabulary(logits, None) is logits and real_vocabulary(logits, MODEL_ROWS) is logits
     logprobs = token_logprobs(cut, labels)
     assert torch.allclose(logprobs.double(), by_hand(logits, labels, 20), atol=1e-6)
-    every_id = token_logprobs(cut[:, :, None].expand(2, 5, 20, 20).reshape(2, 100, 20), torch.arange(20).repeat(2, 5, 1).reshape(2, 100))
-    assert torch.allclose(every_id.exp().reshape(2, 5, 20).sum(-1), torch.ones(2, 5))  # a distribution over the 20 real ids
+    every_id = token_logprobs(
+        cut[:, :, None].expand(2, 5, 20, 20).reshape(2, 100, 20), torch.arange(20).repeat(2, 5, 1).reshape(2, 100)
+    )
+    assert torch.allclose(
+        every_id.exp().reshape(2, 5, 20).sum(-1), torch.ones(2, 5)
+    )  # a distribution over the 20 real ids
 
 
 def test_the_token_sampler_never_draws_a_padded_id_and_keeps_real_vocabulary_logprobs():
@@ -67,7 +78,9 @@ def test_the_token_sampler_never_draws_a_padded_id_and_keeps_real_vocabulary_log
     logits[:, :20] = torch.arange(20) / 10  # distinct, so that top_k keeps exactly k
     logits[:, 20:] = 5.0  # padded rows more likely than every real token
     torch.manual_seed(0)
-    unmasked = TokenSampler(1.0, 0, 1.0, keep_logprobs=False)(torch.zeros(4000, 1, dtype=torch.long), logits.clone()).argmax(-1)
+    unmasked = TokenSampler(1.0, 0, 1.0, keep_logprobs=False)(
+        torch.zeros(4000, 1, dtype=torch.long), logits.clone()
+    ).argmax(-1)
     assert (unmasked >= 20).float().mean() > 0.9  # what the issue saw: ids the tokenizer does not have
     for knobs in ({"temperature": 1.0, "top_k": 0, "top_p": 1.0}, {"temperature": 0.7, "top_k": 5, "top_p": 1.0}):
         sampler = TokenSampler(**knobs, keep_logprobs=True, vocab_size=20)
@@ -91,16 +104,32 @@ def test_rollouts_sample_only_real_ids_and_their_behaviour_logprobs_renormalise(
         first = torch.softmax(model(input_ids=ids[:1], attention_mask=mask[:1]).logits[0, -1], -1)
     assert first[vocab:].sum() > 0.3
     torch.manual_seed(0)
-    unmasked = sample_responses(PlainEngine(model), ids, mask, settings, tokenizer, TokenSampler(1.0, 0, 1.0, keep_logprobs=False))
+    unmasked = sample_responses(
+        PlainEngine(model), ids, mask, settings, tokenizer, TokenSampler(1.0, 0, 1.0, keep_logprobs=False)
+    )
     assert (unmasked >= vocab).any()
-    result = generate_rollout(PlainEngine(model), tokenizer, prompts, chats, [{}, {}], settings, seed=3, policy_version=0, logprob_batch_size=4)
+    result = generate_rollout(
+        PlainEngine(model),
+        tokenizer,
+        prompts,
+        chats,
+        [{}, {}],
+        settings,
+        seed=3,
+        policy_version=0,
+        logprob_batch_size=4,
+    )
     assert result.response_ids.max() < vocab
     # Every sampled id is a token the tokenizer has (it has none for the padded ones, so decoding drops them).
     assert None in tokenizer.convert_ids_to_tokens(unmasked.flatten().tolist())
     assert None not in tokenizer.convert_ids_to_tokens(result.response_ids.flatten().tolist())
     sequences = join_sequences(result.prompt_ids, result.prompt_mask, result.response_ids, result.response_mask)
     with torch.no_grad():
-        logits = model(input_ids=sequences["input_ids"], attention_mask=sequences["attention_mask"], position_ids=sequences["position_ids"]).logits
+        logits = model(
+            input_ids=sequences["input_ids"],
+            attention_mask=sequences["attention_mask"],
+            position_ids=sequences["position_ids"],
+        ).logits
     prompt_len = result.prompt_ids.shape[1]
     expected = by_hand(logits[:, prompt_len - 1 : -1], result.response_ids, vocab) * result.response_mask
     assert torch.allclose(result.behaviour_logprobs.double(), expected, atol=1e-5)
@@ -114,7 +143,9 @@ def test_dpo_completion_logprobs_renormalise_over_the_real_vocabulary(model, tok
         got = completion_logprobs(model, batch, vocab_size=len(tokenizer))
         full = completion_logprobs(model, batch)
     expected = by_hand(logits[:, :-1], ids[:, 1:], len(tokenizer))[:, 1:].sum(-1)
-    assert torch.allclose(got.double(), expected, atol=1e-5) and (got > full).all()  # padded ids took mass from the real ones
+    assert (
+        torch.allclose(got.double(), expected, atol=1e-5) and (got > full).all()
+    )  # padded ids took mass from the real ones
 
 
 GRPO_JOB = """\
@@ -154,7 +185,9 @@ def test_a_grpo_run_of_a_padded_model_trains_on_real_ids_only(one_rank, tmp_path
     assert seen and all(int(batch["response_ids"].max()) < vocab for batch in seen)
     batch = seen[0]
     with torch.no_grad():  # the reference (the policy's starting weights) renormalised over the real ids
-        logits = run.strategy.reference(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]).logits
+        logits = run.strategy.reference(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+        ).logits
     response_len = batch["response_ids"].shape[1]
     expected = by_hand(logits[:, -response_len - 1 : -1], batch["response_ids"], vocab) * batch["response_mask"]
     assert torch.allclose(batch["reference_logprobs"].double(), expected, atol=1e-5)

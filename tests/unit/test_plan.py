@@ -4,7 +4,6 @@ checkpoint size against a real DeepSpeed save, and a bad job refused as train.py
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,7 +16,13 @@ from astrai.config.schema import DeepSpeedSection
 from astrai.engine import build_ds_config, make_engine
 from astrai.models.value import ValueModel, trunk_of
 from astrai.plan import (
-    RUNTIME_BASELINE_BYTES, ModelShape, activation_bytes, checkpoint_bytes, count_shapes, engine_rows, make_plan,
+    RUNTIME_BASELINE_BYTES,
+    ModelShape,
+    activation_bytes,
+    checkpoint_bytes,
+    count_shapes,
+    engine_rows,
+    make_plan,
     plan_main,
 )
 
@@ -27,9 +32,17 @@ from conftest import child_env, run_bounded  # noqa: E402
 
 # vocab 40, hidden 8, 2 layers, 2 heads (1 kv head of 4), mlp 16, tied: embed 320; per layer
 # q 64 + k 32 + v 32 + o 64 + mlp 3 x 128 + 2 norms x 8 = 592; final norm 8 -> 320 + 2 x 592 + 8 = 1512
-TINY_INIT = {"model_type": "llama", "vocab_size": 40, "hidden_size": 8, "intermediate_size": 16,
-             "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
-             "max_position_embeddings": 32, "tie_word_embeddings": True}
+TINY_INIT = {
+    "model_type": "llama",
+    "vocab_size": 40,
+    "hidden_size": 8,
+    "intermediate_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 32,
+    "tie_word_embeddings": True,
+}
 TINY_PARAMETERS = 1512
 
 
@@ -46,20 +59,34 @@ def test_bytes_per_rank_follow_precision_stage_and_offload():
     # buckets: reduce + allgather, each min(P, size) x 2 B.
     config = zero_config(2, reduce_bucket_size=300, allgather_bucket_size=5000)
     rows = by_name(engine_rows("policy", 1000, config, "bf16", 4))
-    assert rows == {"policy parameters": (2000, 0), "policy gradients": (500, 0),
-                    "policy fp32 master weights": (1000, 0),
-                    "policy Adam moments": (2000, 0), "policy ZeRO-2 buckets": (300 * 2 + 1000 * 2, 0)}
+    assert rows == {
+        "policy parameters": (2000, 0),
+        "policy gradients": (500, 0),
+        "policy fp32 master weights": (1000, 0),
+        "policy Adam moments": (2000, 0),
+        "policy ZeRO-2 buckets": (300 * 2 + 1000 * 2, 0),
+    }
     # fp32 ZeRO-0: no master copy (the optimizer steps the module's own weights), nothing partitioned.
     rows = by_name(engine_rows("policy", 1000, zero_config(0), "fp32", 4))
-    assert rows == {"policy parameters": (4000, 0), "policy gradients": (4000, 0), "policy fp32 master weights": (0, 0),
-                    "policy Adam moments": (8000, 0), "policy ZeRO-0 buckets": (0, 0)}
+    assert rows == {
+        "policy parameters": (4000, 0),
+        "policy gradients": (4000, 0),
+        "policy fp32 master weights": (0, 0),
+        "policy Adam moments": (8000, 0),
+        "policy ZeRO-0 buckets": (0, 0),
+    }
     # fp32 ZeRO-3 over 2 ranks with both offloads: parameters, master and moments in host memory.
-    config = zero_config(3, offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"},
-                         stage3_prefetch_bucket_size=100)
+    config = zero_config(
+        3, offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"}, stage3_prefetch_bucket_size=100
+    )
     rows = by_name(engine_rows("critic", 1000, config, "fp32", 2))
-    assert rows == {"critic parameters": (0, 2000), "critic gradients": (2000, 0),
-                    "critic fp32 master weights": (0, 2000),
-                    "critic Adam moments": (0, 4000), "critic ZeRO-3 buckets": (2 * 1000 * 4 + 100 * 4, 0)}
+    assert rows == {
+        "critic parameters": (0, 2000),
+        "critic gradients": (2000, 0),
+        "critic fp32 master weights": (0, 2000),
+        "critic Adam moments": (0, 4000),
+        "critic ZeRO-3 buckets": (2 * 1000 * 4 + 100 * 4, 0),
+    }
 
 
 def test_activation_and_checkpoint_arithmetic():
@@ -95,9 +122,16 @@ def test_a_tiny_job_is_planned_to_the_byte(tmp_path):
     plan = make_plan(load_job(config), str(config), 1, None, host_memory=10**12)
     p = TINY_PARAMETERS
     # activations: 2 layers x 16 x 2 x 8 x (34 + 5 x 2 x 16 / 8) x 4/2 = 2 x 256 x 54 x 2; logits 2 x 16 x 40 x 8
-    expected = {"policy parameters": 4 * p, "policy gradients": 4 * p, "policy fp32 master weights": 0,
-                "policy Adam moments": 8 * p, "policy ZeRO-0 buckets": 0, "activations": 2 * 256 * 54 * 2,
-                "logits + log-softmax": 2 * 16 * 40 * 8, "runtime baseline": RUNTIME_BASELINE_BYTES}
+    expected = {
+        "policy parameters": 4 * p,
+        "policy gradients": 4 * p,
+        "policy fp32 master weights": 0,
+        "policy Adam moments": 8 * p,
+        "policy ZeRO-0 buckets": 0,
+        "activations": 2 * 256 * 54 * 2,
+        "logits + log-softmax": 2 * 16 * 40 * 8,
+        "runtime baseline": RUNTIME_BASELINE_BYTES,
+    }
     assert by_name(plan.rows) == {name: (0, value) for name, value in expected.items()}  # no GPU here: all host
     assert plan.host_total == sum(expected.values()) and plan.checkpoint_bytes == 12 * p and plan.fits
     assert not make_plan(load_job(config), str(config), 1, None, host_memory=plan.host_total - 1).fits
@@ -105,12 +139,15 @@ def test_a_tiny_job_is_planned_to_the_byte(tmp_path):
 
 def test_online_ppo_adds_reference_critic_and_generation_copy(tmp_path):
     config = write_job(
-        tmp_path, model={"init": TINY_INIT},  # dtype auto: bf16 when planned for GPUs
+        tmp_path,
+        model={"init": TINY_INIT},  # dtype auto: bf16 when planned for GPUs
         train={"train_type": "online_ppo", "micro_batch_size": 2, "max_steps": 1},
         data={"path": str(REPO / "data/arithmetic/prompts_64.jsonl"), "max_seq_len": 16},
-        rollout={"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 8}, rl={"kl_coef": 0.1},
+        rollout={"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 8},
+        rl={"kl_coef": 0.1},
         reward={"function": "astrai.rollout.rewards:arithmetic_exact_match"},
-        deepspeed={"zero_stage": 3}, critic={"zero_stage": 0},
+        deepspeed={"zero_stage": 3},
+        critic={"zero_stage": 0},
     )
     plan = make_plan(load_job(config), str(config), 2, 40.0, host_memory=10**12)
     rows = by_name(plan.rows)
@@ -140,8 +177,17 @@ def test_checkpoint_size_matches_a_real_save(one_rank, tmp_path, stage):
     config = AutoConfig.for_model(**{**TINY_INIT, "hidden_size": 128, "intermediate_size": 256, "vocab_size": 300})
     model = AutoModelForCausalLM.from_config(config)
     section = DeepSpeedSection(zero_stage=stage, single_rank_stage0=False)  # ZeRO-2 kept on one rank
-    ds_config = build_ds_config(section, template_path=None, micro_batch_size=2, grad_accum_steps=1, max_grad_norm=None,
-                                precision="fp32", lr=1e-3, betas=(0.9, 0.999), eps=1e-8)
+    ds_config = build_ds_config(
+        section,
+        template_path=None,
+        micro_batch_size=2,
+        grad_accum_steps=1,
+        max_grad_norm=None,
+        precision="fp32",
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+    )
     engine = make_engine(model, ds_config, weight_decay=0.0, schedule=lambda completed: 1.0)
     ids = torch.randint(0, 300, (2, 8))
     engine.backward(engine(input_ids=ids, labels=ids).loss)

@@ -10,7 +10,15 @@ import random
 import pytest
 import torch
 
-from astrai.algos import compute_gae, explained_variance, kl_estimate, kl_shaped_rewards, masked_whiten, ppo_policy_loss, value_loss
+from astrai.algos import (
+    compute_gae,
+    explained_variance,
+    kl_estimate,
+    kl_shaped_rewards,
+    masked_whiten,
+    ppo_policy_loss,
+    value_loss,
+)
 from astrai.rollout.generation import target_metrics
 from astrai.strategies.ppo import global_standardize
 
@@ -49,7 +57,9 @@ def test_compute_gae_matches_a_reverse_loop_with_padding(gamma, lam):
     rewards = [[rng.gauss(0, 1) for _ in range(7)] for _ in lengths]
     values = [[rng.gauss(0, 1) for _ in range(7)] for _ in lengths]
     mask = torch.tensor([[1 if t < length else 0 for t in range(7)] for length in lengths])
-    advantages, returns = compute_gae(torch.tensor(rewards, dtype=torch.float64), torch.tensor(values, dtype=torch.float64), mask, gamma, lam)
+    advantages, returns = compute_gae(
+        torch.tensor(rewards, dtype=torch.float64), torch.tensor(values, dtype=torch.float64), mask, gamma, lam
+    )
     expected_advantages, expected_returns = reverse_loop_gae(rewards, values, lengths, gamma, lam)
     assert torch.allclose(advantages, torch.tensor(expected_advantages, dtype=torch.float64))
     assert torch.allclose(returns, torch.tensor(expected_returns, dtype=torch.float64))
@@ -94,7 +104,9 @@ def test_clipped_surrogate_by_hand_with_asymmetric_and_dual_clip():
     logp_old = torch.zeros(1, 4)
     logp = torch.log(torch.tensor([[1.5, 0.5, 1.1, 5.0]]))
     advantages = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
-    output = ppo_policy_loss(logp, logp_old, advantages, torch.ones(1, 4), clip_eps=0.2, clip_eps_high=0.3, dual_clip=3.0)
+    output = ppo_policy_loss(
+        logp, logp_old, advantages, torch.ones(1, 4), clip_eps=0.2, clip_eps_high=0.3, dual_clip=3.0
+    )
     # token 0: max(-1.5, -1.3) = -1.3 (clipped at 1.3); token 1: max(-0.5, -0.8) = -0.5 (unclipped)
     # token 2: max(1.1, 1.1) = 1.1; token 3: max(5, 1.3) = 5, capped by dual clip at -A c = 3
     assert output.loss.item() == pytest.approx((-1.3 - 0.5 + 1.1 + 3.0) / 4, abs=1e-6)
@@ -134,8 +146,14 @@ def test_step_explained_variance_from_global_sums_equals_the_batch_formula():
     for half in (slice(0, 3), slice(3, 6)):
         valid = mask[half]
         v, r = values[half][valid].double(), returns[half][valid].double()
-        for key, value in (("target_tokens", valid.sum()), ("values", v.sum()), ("returns", r.sum()), ("returns_squared", (r**2).sum()),
-                           ("advantages", (r - v).sum()), ("advantages_squared", ((r - v) ** 2).sum())):
+        for key, value in (
+            ("target_tokens", valid.sum()),
+            ("values", v.sum()),
+            ("returns", r.sum()),
+            ("returns_squared", (r**2).sum()),
+            ("advantages", (r - v).sum()),
+            ("advantages_squared", ((r - v) ** 2).sum()),
+        ):
             totals[f"rollout/{key}"] = totals.get(f"rollout/{key}", 0.0) + float(value)
     record = target_metrics(totals)
     assert record["explained_variance"] == pytest.approx(explained_variance(values, returns, mask).item(), abs=1e-5)
@@ -156,8 +174,12 @@ def test_public_math_api_by_keyword_exactly_as_the_issue_names_it():
     assert advantages.tolist() == [[0.5, 0.75, 0.0]] and returns.tolist() == [[1.0, 1.0, 0.0]]
     logp, ref_logp = torch.tensor([-1.0]), torch.tensor([-1.5])
     assert astrai.algos.kl_estimate(logp=logp, ref_logp=ref_logp, kind="k1").item() == pytest.approx(0.5)
-    assert astrai.algos.kl_estimate(logp=logp, ref_logp=ref_logp).item() == pytest.approx(torch.exp(torch.tensor(-0.5)).item() - 0.5)  # k3 default
-    explained = astrai.algos.explained_variance(values=torch.tensor([[1.0, -1.0, 5.0]]), returns=torch.tensor([[1.0, -1.0, 0.0]]), mask=mask)
+    assert astrai.algos.kl_estimate(logp=logp, ref_logp=ref_logp).item() == pytest.approx(
+        torch.exp(torch.tensor(-0.5)).item() - 0.5
+    )  # k3 default
+    explained = astrai.algos.explained_variance(
+        values=torch.tensor([[1.0, -1.0, 5.0]]), returns=torch.tensor([[1.0, -1.0, 0.0]]), mask=mask
+    )
     assert isinstance(explained, torch.Tensor) and explained.item() == pytest.approx(1.0)
     assert list(inspect.signature(astrai.algos.compute_gae).parameters) == ["rewards", "values", "mask", "gamma", "lam"]
     assert list(inspect.signature(astrai.algos.kl_estimate).parameters)[:3] == ["logp", "ref_logp", "kind"]

@@ -36,8 +36,25 @@ checkpoint: {{every_steps: 3}}
 runtime: {{progress_bar: false, tensorboard: false}}
 """
 
-METRICS = ("reward_mean", "kl", "policy_loss", "value_loss", "clip_frac", "value_clip_frac", "approx_kl", "entropy", "advantages_mean",
-           "advantages_std", "returns_mean", "values_mean", "explained_variance", "policy_grad_norm", "critic_grad_norm", "rollout_s", "train_s")
+METRICS = (
+    "reward_mean",
+    "kl",
+    "policy_loss",
+    "value_loss",
+    "clip_frac",
+    "value_clip_frac",
+    "approx_kl",
+    "entropy",
+    "advantages_mean",
+    "advantages_std",
+    "returns_mean",
+    "values_mean",
+    "explained_variance",
+    "policy_grad_norm",
+    "critic_grad_norm",
+    "rollout_s",
+    "train_s",
+)
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +95,17 @@ def record_step_norms(engine, log: list) -> None:
 
 @pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
 def test_critic_clips_with_its_own_max_grad_norm(one_rank, folder):
-    run = make_run(one_rank, folder, "clipping", "critic.max_grad_norm=1e-4", "train.max_grad_norm=100", "critic.warmup_rollouts=0",
-                   "train.max_steps=1", "rl.epochs_per_rollout=1", "checkpoint.every_steps=null")
+    run = make_run(
+        one_rank,
+        folder,
+        "clipping",
+        "critic.max_grad_norm=1e-4",
+        "train.max_grad_norm=100",
+        "critic.warmup_rollouts=0",
+        "train.max_steps=1",
+        "rl.epochs_per_rollout=1",
+        "checkpoint.every_steps=null",
+    )
     policy, critic = run.engines["policy"], run.engines["critic"]
     assert (policy.ds_config["gradient_clipping"], critic.ds_config["gradient_clipping"]) == (100.0, 1e-4)
     policy_norms, critic_norms = [], []
@@ -96,25 +122,49 @@ def test_critic_clips_with_its_own_max_grad_norm(one_rank, folder):
 
 
 def test_critic_optimizer_settings_differ_from_the_policy_and_clipping_defaults_to_the_policy(one_rank, folder):
-    run = make_run(one_rank, folder, "critic_optimizer", "train.lr=1e-3", "train.weight_decay=0.0", "train.lr_schedule=constant",
-                   "train.max_grad_norm=0.5", "critic.lr=4e-3", "critic.weight_decay=0.1", "critic.lr_schedule=linear",
-                   "critic.warmup_steps=1", "critic.warmup_rollouts=0", "checkpoint.every_steps=null")
+    run = make_run(
+        one_rank,
+        folder,
+        "critic_optimizer",
+        "train.lr=1e-3",
+        "train.weight_decay=0.0",
+        "train.lr_schedule=constant",
+        "train.max_grad_norm=0.5",
+        "critic.lr=4e-3",
+        "critic.weight_decay=0.1",
+        "critic.lr_schedule=linear",
+        "critic.warmup_steps=1",
+        "critic.warmup_rollouts=0",
+        "checkpoint.every_steps=null",
+    )
     policy, critic = run.engines["policy"], run.engines["critic"]
     # critic.max_grad_norm unset: the critic clips at train.max_grad_norm, in its config and in DeepSpeed's engine
     assert run.job.critic.max_grad_norm is None
-    assert critic.ds_config["gradient_clipping"] == policy.ds_config["gradient_clipping"] == 0.5 == critic._engine.gradient_clipping()
+    assert (
+        critic.ds_config["gradient_clipping"]
+        == policy.ds_config["gradient_clipping"]
+        == 0.5
+        == critic._engine.gradient_clipping()
+    )
     # weight decay: matrices decay at critic.weight_decay, biases and norms not; the policy keeps train.weight_decay
     critic_groups, policy_groups = critic._engine.optimizer.param_groups, policy._engine.optimizer.param_groups
-    assert [group["weight_decay"] for group in critic_groups] == [0.1, 0.0] and all(group["params"] for group in critic_groups)
+    assert [group["weight_decay"] for group in critic_groups] == [0.1, 0.0] and all(
+        group["params"] for group in critic_groups
+    )
     assert [group["weight_decay"] for group in policy_groups] == [0.0, 0.0]
     # LR: peak critic.lr with a linear schedule after one rollout of warmup; 3 steps x 2 epochs x 2 minibatches = 12 updates
     assert [group["initial_lr"] for group in critic_groups] == [4e-3, 4e-3]
     assert critic.lr == pytest.approx(4e-3 / 4)  # update 1 of a 4-update warmup
     multiplier = critic._engine.lr_scheduler.lr_lambdas[0]
-    expected = [1 / 4, 2 / 4, 3 / 4, 1.0] + [1.0 - k / 8 for k in range(1, 9)]  # warmup, then linear decay to 0 at update 12
+    expected = [1 / 4, 2 / 4, 3 / 4, 1.0] + [
+        1.0 - k / 8 for k in range(1, 9)
+    ]  # warmup, then linear decay to 0 at update 12
     assert [multiplier(completed) for completed in range(12)] == pytest.approx(expected)
     # the policy: train.lr, constant, no warmup
-    assert policy.lr == pytest.approx(1e-3) and [policy._engine.lr_scheduler.lr_lambdas[0](completed) for completed in range(12)] == [1.0] * 12
+    assert (
+        policy.lr == pytest.approx(1e-3)
+        and [policy._engine.lr_scheduler.lr_lambdas[0](completed) for completed in range(12)] == [1.0] * 12
+    )
 
 
 def test_online_ppo_loop(one_rank, folder):
@@ -123,7 +173,9 @@ def test_online_ppo_loop(one_rank, folder):
     assert sorted(run.engines) == ["critic", "policy"] and run.strategy.required_parts == ("policy", "critic")
     ids = torch.randint(1, len(run.tokenizer), (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # trunk parity right after the warm start, inside the engines
-        assert torch.equal(policy.module.model(input_ids=ids).last_hidden_state, critic.module.trunk(input_ids=ids).last_hidden_state)
+        assert torch.equal(
+            policy.module.model(input_ids=ids).last_hidden_state, critic.module.trunk(input_ids=ids).last_hidden_state
+        )
     seen = defaultdict(list)  # (step, sequence) -> the advantages and returns each replay epoch read
     compute_loss = run.strategy.compute_loss
 
@@ -154,7 +206,9 @@ def test_online_ppo_loop(one_rank, folder):
     assert replays and all(len(reads) % 2 == 0 for reads in replays)  # each sequence read once per epoch
     for reads in replays:
         for advantages, returns in reads[1:]:
-            assert torch.equal(advantages, reads[0][0]) and torch.equal(returns, reads[0][1])  # pinned, never recomputed
+            assert torch.equal(advantages, reads[0][0]) and torch.equal(
+                returns, reads[0][1]
+            )  # pinned, never recomputed
     checkpoint = folder / "loop" / "checkpoints" / "step_00000003"
     manifest = read_manifest(checkpoint)
     assert list(manifest.parts) == ["critic", "policy"] and manifest.meta["critic"] == "the policy's starting weights"
@@ -180,7 +234,14 @@ def test_resume_without_the_critic_part(one_rank, folder, caplog):
     with pytest.raises(CheckpointError, match=r"lacks the part\(s\) critic"):
         train_online(refused)
     assert not (folder / "refused" / "metrics.jsonl").exists() or not records(folder, "refused")  # before any step
-    fresh_critic = make_run(one_rank, folder, "new_critic", f"checkpoint.resume={lacking}", "train.max_steps=4", f"critic.path={folder / 'critic_hf'}")
+    fresh_critic = make_run(
+        one_rank,
+        folder,
+        "new_critic",
+        f"checkpoint.resume={lacking}",
+        "train.max_steps=4",
+        f"critic.path={folder / 'critic_hf'}",
+    )
     assert fresh_critic.strategy.parts_to_resume(lacking) == ("policy",)
     state = train_online(fresh_critic)
     assert "has no critic part: starting a new critic from critic.path" in caplog.text
@@ -189,4 +250,8 @@ def test_resume_without_the_critic_part(one_rank, folder, caplog):
     export_checkpoint(folder / "new_critic" / "checkpoints" / "step_00000004", folder / "new_critic_hf", part="critic")
     ids = torch.randint(1, len(fresh_critic.tokenizer), (2, 6), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        assert torch.allclose(load_value_model(folder / "new_critic_hf")(input_ids=ids), fresh_critic.engines["critic"].module(input_ids=ids), atol=1e-5)
+        assert torch.allclose(
+            load_value_model(folder / "new_critic_hf")(input_ids=ids),
+            fresh_critic.engines["critic"].module(input_ids=ids),
+            atol=1e-5,
+        )

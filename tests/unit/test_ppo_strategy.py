@@ -25,8 +25,16 @@ from astrai.strategies.online import batch_geometry
 from astrai.strategies.ppo import PPOStrategy
 from tests.unit.rollout_fixtures import LengthReward, PlainEngine, online_job, tiny_model, tiny_tokenizer
 
-TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 64, "tie_word_embeddings": True}
+TINY = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": True,
+}
 
 
 def job(**sections) -> JobConfig:
@@ -57,7 +65,17 @@ def rollout_and_models(tokenizer):
     reference = tiny_model(tokenizer, seed=1)  # differs from the policy: the KL is not 0
     chats = [[{"role": "user", "content": text}] for text in ("1+2=", "30-4=")]
     prompts = [render_prompt(tokenizer, chat) for chat in chats]
-    result = generate_rollout(PlainEngine(policy), tokenizer, prompts, chats, [{}, {}], job().rollout, seed=3, policy_version=0, logprob_batch_size=2)
+    result = generate_rollout(
+        PlainEngine(policy),
+        tokenizer,
+        prompts,
+        chats,
+        [{}, {}],
+        job().rollout,
+        seed=3,
+        policy_version=0,
+        logprob_batch_size=2,
+    )
     return result, policy, reference
 
 
@@ -78,7 +96,9 @@ def test_warm_start_head_is_zero_and_trunk_equals_the_policy(tokenizer):
         values = critic(input_ids=ids, attention_mask=mask)
         policy_hidden = policy.model(input_ids=ids, attention_mask=mask).last_hidden_state
         critic_hidden = critic.trunk(input_ids=ids, attention_mask=mask).last_hidden_state
-    assert values.shape == (3, 9) and values.dtype == torch.float32 and torch.equal(values, torch.zeros(3, 9))  # exactly 0
+    assert (
+        values.shape == (3, 9) and values.dtype == torch.float32 and torch.equal(values, torch.zeros(3, 9))
+    )  # exactly 0
     assert torch.equal(policy_hidden, critic_hidden)  # trunk parity: same weights, same hidden states
     assert torch.count_nonzero(critic.value_head.weight) == 0 and torch.count_nonzero(critic.value_head.bias) == 0
     assert not any("lm_head" in name for name in critic.state_dict())
@@ -89,7 +109,9 @@ def test_the_policy_class_is_unchanged(tokenizer):
     policy = build_policy(ModelConfig(init=TINY), tokenizer, seed=11)
     build_value_model(ModelConfig(init=TINY), tokenizer, seed=11)
     assert type(policy) is LlamaForCausalLM and LlamaForCausalLM.forward is forward
-    assert not hasattr(policy, "value_head") and set(policy.state_dict()) == set(LlamaForCausalLM(policy.config).state_dict())
+    assert not hasattr(policy, "value_head") and set(policy.state_dict()) == set(
+        LlamaForCausalLM(policy.config).state_dict()
+    )
     assert not issubclass(ValueModel, PreTrainedModel) and ValueModel.__bases__ == (torch.nn.Module,)
 
 
@@ -99,7 +121,9 @@ def test_critic_folder_round_trip(tmp_path, tokenizer):
     torch.nn.init.normal_(critic.value_head.weight, generator=torch.Generator().manual_seed(0))
     critic.value_head.bias.data.fill_(0.25)
     critic.save_pretrained(tmp_path / "critic")
-    assert {"config.json", "model.safetensors", "value_head.safetensors", "value_head.json"} <= {p.name for p in (tmp_path / "critic").iterdir()}
+    assert {"config.json", "model.safetensors", "value_head.safetensors", "value_head.json"} <= {
+        p.name for p in (tmp_path / "critic").iterdir()
+    }
     loaded = load_value_model(tmp_path / "critic")
     ids = torch.randint(1, len(tokenizer), (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -109,7 +133,9 @@ def test_critic_folder_round_trip(tmp_path, tokenizer):
     from_lm = load_value_model(tmp_path / "policy")
     assert torch.count_nonzero(from_lm.value_head.weight) == 0
     with torch.no_grad():
-        assert torch.allclose(from_lm.trunk(input_ids=ids).last_hidden_state, policy.model(input_ids=ids).last_hidden_state, atol=1e-6)
+        assert torch.allclose(
+            from_lm.trunk(input_ids=ids).last_hidden_state, policy.model(input_ids=ids).last_hidden_state, atol=1e-6
+        )
     assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "policy")) is LlamaForCausalLM
 
 
@@ -124,15 +150,23 @@ def test_frozen_targets_are_pinned_on_the_rollout(tokenizer, rollout_and_models)
     targets = strategy.frozen_targets(result)
     mask = targets["response_mask"]
     assert torch.equal(result.values, torch.zeros_like(result.values))  # zero head: every first value is 0
-    assert targets["advantages"] is result.advantages and targets["returns"] is result.returns and targets["values"] is result.values
+    assert (
+        targets["advantages"] is result.advantages
+        and targets["returns"] is result.returns
+        and targets["values"] is result.values
+    )
     ref = response_logprobs(reference, targets, temperature=1.0, batch_size=8)
     kl = torch.where(mask.bool(), torch.expm1(ref - result.behaviour_logprobs) - (ref - result.behaviour_logprobs), 0.0)
     assert torch.allclose(result.kl, kl, atol=1e-6) and (result.kl[mask.bool()] > 0).all()
     rewards = kl_shaped_rewards(result.rewards, kl, mask, 0.1)
     advantages, returns = compute_gae(rewards, torch.zeros_like(rewards), mask, 0.9, 0.8)
-    assert torch.allclose(result.advantages, advantages, atol=1e-6) and torch.allclose(result.returns, returns, atol=1e-6)
+    assert torch.allclose(result.advantages, advantages, atol=1e-6) and torch.allclose(
+        result.returns, returns, atol=1e-6
+    )
     record = rollout_metrics(result.metric_sums())
-    assert record["explained_variance"] == 0.0 and record["values_mean"] == 0.0 and record["kl_coef"] == pytest.approx(0.1)
+    assert (
+        record["explained_variance"] == 0.0 and record["values_mean"] == 0.0 and record["kl_coef"] == pytest.approx(0.1)
+    )
     assert record["kl"] == pytest.approx(float(kl[mask.bool()].mean()), rel=1e-5)
     assert "reference_logprobs" not in targets  # the KL is in the reward, not the loss
 
@@ -150,7 +184,9 @@ def test_replay_epochs_read_the_same_pinned_targets_while_the_critic_learns(toke
         seen = {}
         for micro_batches in strategy.minibatches(targets, step=1, epoch=epoch):
             for batch in micro_batches:
-                strategy.compute_critic_loss(PlainEngine(critic), batch, float(batch["response_mask"].sum())).loss.backward()
+                strategy.compute_critic_loss(
+                    PlainEngine(critic), batch, float(batch["response_mask"].sum())
+                ).loss.backward()
                 strategy.compute_loss(PlainEngine(model), batch, float(batch["response_mask"].sum())).loss.backward()
                 for index, row in enumerate(batch["row"].tolist()):
                     seen[row] = {key: batch[key][index] for key in pinned}
@@ -175,7 +211,11 @@ def test_losses_at_the_behaviour_weights_by_hand(tokenizer, rollout_and_models):
     output = strategy.compute_loss(PlainEngine(policy), targets, normalizer=tokens)
     # ratio == 1: loss = -sum_t A_t / T, nothing clipped, approx_kl 0
     assert output.loss.item() == pytest.approx(-targets["advantages"][mask].sum().item() / tokens, abs=1e-6)
-    assert output.sums["clip_frac"] == 0.0 and output.sums["approx_kl"] == pytest.approx(0.0, abs=1e-6) and output.sums["entropy"] > 0
+    assert (
+        output.sums["clip_frac"] == 0.0
+        and output.sums["approx_kl"] == pytest.approx(0.0, abs=1e-6)
+        and output.sums["entropy"] > 0
+    )
     critic_output = strategy.compute_critic_loss(PlainEngine(fresh_critic(policy)), targets, normalizer=tokens)
     squared = 0.5 * (targets["returns"][mask] ** 2).mean()  # values are 0
     assert critic_output.loss.item() == pytest.approx(0.5 * squared.item(), rel=1e-5)  # times vf_coef
@@ -183,12 +223,16 @@ def test_losses_at_the_behaviour_weights_by_hand(tokenizer, rollout_and_models):
     assert critic_output.sums["value_clip_frac"] == 0.0
 
 
-def test_whitened_advantages_are_the_masked_whitening_of_raw_gae_while_returns_keep_the_raw_ones(tokenizer, rollout_and_models):
+def test_whitened_advantages_are_the_masked_whitening_of_raw_gae_while_returns_keep_the_raw_ones(
+    tokenizer, rollout_and_models
+):
     result, policy, _ = rollout_and_models
     critic = fresh_critic(policy)
     torch.nn.init.normal_(critic.value_head.weight, std=0.5, generator=torch.Generator().manual_seed(4))
     critic.value_head.bias.data.fill_(0.3)  # nonzero values: returns = raw advantages + values tells them apart
-    strategy = ppo_with(job(rl={"kl_coef": 0.0, "gamma": 0.9, "gae_lambda": 0.8, "whiten_advantages": True}), tokenizer, critic)
+    strategy = ppo_with(
+        job(rl={"kl_coef": 0.0, "gamma": 0.9, "gae_lambda": 0.8, "whiten_advantages": True}), tokenizer, critic
+    )
     targets = strategy.frozen_targets(copy.copy(result))
     mask = targets["response_mask"]
     values = targets["values"]
@@ -196,10 +240,16 @@ def test_whitened_advantages_are_the_masked_whitening_of_raw_gae_while_returns_k
     rewards = kl_shaped_rewards(torch.tensor(strategy_rewards(result)), torch.zeros_like(values), mask, 0.0)
     raw_advantages, raw_returns = compute_gae(rewards, values, mask, 0.9, 0.8)
     assert torch.allclose(targets["advantages"], masked_whiten(raw_advantages, mask), atol=1e-5)
-    assert torch.allclose(targets["returns"], raw_returns, atol=1e-5) and torch.allclose(raw_returns, raw_advantages + values * mask, atol=1e-6)
-    assert not torch.allclose(targets["returns"], targets["advantages"] + values * mask, atol=1e-2)  # not the whitened ones
+    assert torch.allclose(targets["returns"], raw_returns, atol=1e-5) and torch.allclose(
+        raw_returns, raw_advantages + values * mask, atol=1e-6
+    )
+    assert not torch.allclose(
+        targets["returns"], targets["advantages"] + values * mask, atol=1e-2
+    )  # not the whitened ones
     whitened = targets["advantages"][mask.bool()]
-    assert whitened.mean().item() == pytest.approx(0.0, abs=1e-5) and whitened.std().item() == pytest.approx(1.0, abs=1e-3)
+    assert whitened.mean().item() == pytest.approx(0.0, abs=1e-5) and whitened.std().item() == pytest.approx(
+        1.0, abs=1e-3
+    )
 
 
 def test_dual_clip_through_the_strategy_matches_the_pure_loss(tokenizer, rollout_and_models):
@@ -210,12 +260,18 @@ def test_dual_clip_through_the_strategy_matches_the_pure_loss(tokenizer, rollout
     generator = torch.Generator().manual_seed(5)
     current = response_logprobs(policy, batch, temperature=1.0, batch_size=8)
     # Behaviour log-probs 0..3 nats below the current ones: ratios 1..20, so the dual clip binds on negative advantages.
-    batch["behaviour_logprobs"] = torch.where(mask.bool(), current - 3.0 * torch.rand(current.shape, generator=generator), 0.0)
+    batch["behaviour_logprobs"] = torch.where(
+        mask.bool(), current - 3.0 * torch.rand(current.shape, generator=generator), 0.0
+    )
     batch["advantages"] = torch.where(mask.bool(), torch.randn(current.shape, generator=generator), 0.0)
     tokens = float(mask.sum())
     output = strategy.compute_loss(PlainEngine(policy), batch, normalizer=tokens)
-    pure = ppo_policy_loss(current, batch["behaviour_logprobs"], batch["advantages"], mask, clip_eps=0.2, clip_eps_high=0.2, dual_clip=3.0)
-    undual = ppo_policy_loss(current, batch["behaviour_logprobs"], batch["advantages"], mask, clip_eps=0.2, clip_eps_high=0.2)
+    pure = ppo_policy_loss(
+        current, batch["behaviour_logprobs"], batch["advantages"], mask, clip_eps=0.2, clip_eps_high=0.2, dual_clip=3.0
+    )
+    undual = ppo_policy_loss(
+        current, batch["behaviour_logprobs"], batch["advantages"], mask, clip_eps=0.2, clip_eps_high=0.2
+    )
     assert output.loss.item() == pytest.approx(pure.loss.item(), abs=1e-5)
     assert output.sums["clip_frac"] / tokens == pytest.approx(pure.clip_fraction.item(), abs=1e-6)
     assert pure.loss.item() < undual.loss.item() - 0.1  # the cap is active on this batch
@@ -243,7 +299,9 @@ def test_entropy_bonus_is_minus_coef_times_the_token_mean_entropy_and_moves_the_
     entropy_mean = entropy[mask].sum() / tokens
     entropy_mean.backward()
     entropy_gradient = torch.cat([p.grad.flatten() for p in model.parameters()])
-    assert bonus.sums["policy_loss"] == pytest.approx(plain.sums["policy_loss"], abs=1e-5)  # the surrogate itself is unchanged
+    assert bonus.sums["policy_loss"] == pytest.approx(
+        plain.sums["policy_loss"], abs=1e-5
+    )  # the surrogate itself is unchanged
     assert bonus.loss.item() == pytest.approx(plain.loss.item() - coef * entropy_mean.item(), abs=1e-5)
     assert bonus.sums["entropy"] / tokens == pytest.approx(entropy_mean.item(), rel=1e-5)
     difference = bonus_gradient - plain_gradient
@@ -253,11 +311,26 @@ def test_entropy_bonus_is_minus_coef_times_the_token_mean_entropy_and_moves_the_
 
 def test_kl_in_the_loss_instead_of_the_reward(tokenizer, rollout_and_models):
     result, policy, reference = rollout_and_models
-    strategy = ppo_with(job(rl={"kl_coef": 0.2, "kl_in_reward": False, "whiten_advantages": False}), tokenizer, fresh_critic(policy), reference)
+    strategy = ppo_with(
+        job(rl={"kl_coef": 0.2, "kl_in_reward": False, "whiten_advantages": False}),
+        tokenizer,
+        fresh_critic(policy),
+        reference,
+    )
     targets = strategy.frozen_targets(copy.copy(result))
     mask = targets["response_mask"]
-    plain = compute_gae(kl_shaped_rewards(targets["returns"].new_tensor(strategy_rewards(result)), torch.zeros_like(mask, dtype=torch.float32), mask, 0.0),
-                        torch.zeros_like(targets["returns"]), mask, 1.0, 0.95)
+    plain = compute_gae(
+        kl_shaped_rewards(
+            targets["returns"].new_tensor(strategy_rewards(result)),
+            torch.zeros_like(mask, dtype=torch.float32),
+            mask,
+            0.0,
+        ),
+        torch.zeros_like(targets["returns"]),
+        mask,
+        1.0,
+        0.95,
+    )
     assert torch.allclose(targets["advantages"], plain[0], atol=1e-6)  # no KL in the rewards
     assert "reference_logprobs" in targets
     output = strategy.compute_loss(PlainEngine(policy), targets, normalizer=float(mask.sum()))
@@ -309,16 +382,44 @@ def test_config_aliases_and_checks():
     with pytest.raises(ValidationError, match="leaves no step"):
         job(critic={"warmup_rollouts": 3})
     defaults = job().rl
-    assert (defaults.gamma, defaults.gae_lambda, defaults.clip_eps_low, defaults.value_clip, defaults.kl_in_reward) == (1.0, 0.95, 0.2, 0.2, True)
+    assert (defaults.gamma, defaults.gae_lambda, defaults.clip_eps_low, defaults.value_clip, defaults.kl_in_reward) == (
+        1.0,
+        0.95,
+        0.2,
+        0.2,
+        True,
+    )
     assert job().critic.warmup_rollouts == 0 and job().critic.path is None
 
 
 def test_cli_shorthands_and_the_quickstart_config(monkeypatch):
     from astrai.train import load_and_check, parse_args
 
-    args = parse_args(["--config", "configs/quickstart_ppo.yaml", "--set", "rl.gamma=0.5", "--ppo_gamma", "0.99", "--ppo_gae_lambda", "0.9", "--ppo_vf_coef", "0.1"])
-    assert args.set == ["rl.gamma=0.5", "rl.gamma=0.99", "rl.gae_lambda=0.9", "rl.vf_coef=0.1"]  # after --set: the shorthand wins
-    tiny = ["model.path=null", "model.init={model_type: llama}", "tokenizer.build={kind: char}"]  # runs/quickstart/hf may not exist
+    args = parse_args(
+        [
+            "--config",
+            "configs/quickstart_ppo.yaml",
+            "--set",
+            "rl.gamma=0.5",
+            "--ppo_gamma",
+            "0.99",
+            "--ppo_gae_lambda",
+            "0.9",
+            "--ppo_vf_coef",
+            "0.1",
+        ]
+    )
+    assert args.set == [
+        "rl.gamma=0.5",
+        "rl.gamma=0.99",
+        "rl.gae_lambda=0.9",
+        "rl.vf_coef=0.1",
+    ]  # after --set: the shorthand wins
+    tiny = [
+        "model.path=null",
+        "model.init={model_type: llama}",
+        "tokenizer.build={kind: char}",
+    ]  # runs/quickstart/hf may not exist
     monkeypatch.setenv("WORLD_SIZE", "1")
     job = load_and_check("configs/quickstart_ppo.yaml", tiny + args.set)
     assert (job.train.train_type, job.rl.gamma, job.rl.gae_lambda, job.rl.vf_coef) == ("online_ppo", 0.99, 0.9, 0.1)
@@ -332,14 +433,32 @@ def test_sampler_behaviour_logprobs_from_the_job_config_give_ratio_one_at_the_be
     config = job(rollout={"behaviour_logprobs": "sampler", "max_new_tokens": 8}, rl={"kl_coef": 0.0})
     chats = [[{"role": "user", "content": text}] for text in ("1+2=", "30-4=")]
     prompts = [render_prompt(tokenizer, chat) for chat in chats]
-    result = generate_rollout(PlainEngine(policy), tokenizer, prompts, chats, [{}, {}], config.rollout, seed=3, policy_version=0, logprob_batch_size=2)
+    result = generate_rollout(
+        PlainEngine(policy),
+        tokenizer,
+        prompts,
+        chats,
+        [{}, {}],
+        config.rollout,
+        seed=3,
+        policy_version=0,
+        logprob_batch_size=2,
+    )
     strategy = ppo_with(config, tokenizer, fresh_critic(policy))
     targets = strategy.frozen_targets(result)
     mask = targets["response_mask"].bool()
     recomputed = response_logprobs(PlainEngine(policy), targets, temperature=1.0, batch_size=8)
-    assert torch.allclose(targets["behaviour_logprobs"], recomputed, atol=1e-5) and (targets["behaviour_logprobs"][mask] < 0).all()
+    assert (
+        torch.allclose(targets["behaviour_logprobs"], recomputed, atol=1e-5)
+        and (targets["behaviour_logprobs"][mask] < 0).all()
+    )
     output = strategy.compute_loss(PlainEngine(policy), targets, normalizer=float(mask.sum()))
     assert output.sums["clip_frac"] == 0.0 and output.sums["approx_kl"] == pytest.approx(0.0, abs=1e-6)
-    assert JobConfig.model_validate({**config.model_dump(), "rollout": {"behaviour_logprobs": "recompute"}}).rollout.behaviour_logprobs == "recompute"
+    assert (
+        JobConfig.model_validate(
+            {**config.model_dump(), "rollout": {"behaviour_logprobs": "recompute"}}
+        ).rollout.behaviour_logprobs
+        == "recompute"
+    )
     with pytest.raises(ValidationError, match="behaviour_logprobs"):
         job(rollout={"behaviour_logprobs": "cache"})

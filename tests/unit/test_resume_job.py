@@ -23,7 +23,12 @@ from astrai.config.schema import ModelConfig
 from astrai.data.sources import load_rows
 from astrai.engine import consolidated_state_dict, lr_lambda
 from astrai.models.tokenizer import (
-    CHATML_TEMPLATE, TokenizerError, build_tokenizer, has_chatml_markers, load_tokenizer, tokenizer_difference,
+    CHATML_TEMPLATE,
+    TokenizerError,
+    build_tokenizer,
+    has_chatml_markers,
+    load_tokenizer,
+    tokenizer_difference,
 )
 from astrai.trainer import TRAIN_LOOPS
 from tests.conftest import REPO
@@ -88,8 +93,13 @@ def test_another_train_type_is_refused_naming_both(one_rank, first):
     checkpoint = find_latest(first / "first" / "checkpoints")
     config = write_job(first, "as_seq", train_type="seq", data=TEXT_DATA)
     with pytest.raises(CheckpointError, match=r"is a sft checkpoint and this job is seq.*model.init_from_checkpoint"):
-        train(one_rank, config, f"checkpoint.resume={checkpoint}", "tokenizer.build=null",
-              f"tokenizer.path={checkpoint / 'tokenizer'}")
+        train(
+            one_rank,
+            config,
+            f"checkpoint.resume={checkpoint}",
+            "tokenizer.build=null",
+            f"tokenizer.path={checkpoint / 'tokenizer'}",
+        )
     assert not (first / "as_seq" / "metrics.jsonl").exists()  # refused before any step
 
 
@@ -117,8 +127,13 @@ def test_a_resume_with_another_tokenizer_is_refused(one_rank, first, tmp_path):
     config = write_job(first, "other_tokenizer")
     refusal = r"resuming from .*: this job's tokenizer differs from .*tokenizer: vocabulary"
     with pytest.raises(TokenizerError, match=refusal):
-        train(one_rank, config, f"checkpoint.resume={checkpoint}", "tokenizer.build=null",
-              f"tokenizer.path={tmp_path / 'other'}")
+        train(
+            one_rank,
+            config,
+            f"checkpoint.resume={checkpoint}",
+            "tokenizer.build=null",
+            f"tokenizer.path={tmp_path / 'other'}",
+        )
 
 
 @pytest.mark.parametrize("stage", [0, 2], ids=["zero0", "zero2"])
@@ -157,8 +172,14 @@ def test_init_from_checkpoint_of_another_train_type_is_the_way(one_rank, first):
     """The refused resume's alternative: seq from the sft checkpoint's weights, its tokenizer as tokenizer.path."""
     checkpoint = find_latest(first / "first" / "checkpoints")
     config = write_job(first, "seq_from_sft", train_type="seq", data=TEXT_DATA)
-    _, state = train(one_rank, config, f"model.init_from_checkpoint={checkpoint}", "tokenizer.build=null",
-                     f"tokenizer.path={checkpoint / 'tokenizer'}", "train.max_steps=1")
+    _, state = train(
+        one_rank,
+        config,
+        f"model.init_from_checkpoint={checkpoint}",
+        "tokenizer.build=null",
+        f"tokenizer.path={checkpoint / 'tokenizer'}",
+        "train.max_steps=1",
+    )
     assert state.step == 1
 
 
@@ -168,8 +189,11 @@ def test_init_from_checkpoint_is_also_the_default_reference(one_rank, first):
     pairs = first / "pairs.jsonl"
     pairs.write_text("".join((REPO / "data/arithmetic/preference.jsonl").read_text().splitlines(keepends=True)[:8]))
     config = write_job(first, "dpo_from_sft", train_type="dpo", data=pairs)
-    overrides = [f"model.init_from_checkpoint={checkpoint}", "tokenizer.build=null",
-                 f"tokenizer.path={checkpoint / 'tokenizer'}"]
+    overrides = [
+        f"model.init_from_checkpoint={checkpoint}",
+        "tokenizer.build=null",
+        f"tokenizer.path={checkpoint / 'tokenizer'}",
+    ]
     run = build_run(load_job(config, overrides), one_rank, str(config))
     saved = consolidated_state_dict(checkpoint / "policy")
     reference = run.strategy.reference.module.state_dict()
@@ -183,9 +207,18 @@ def test_init_from_checkpoint_is_also_the_default_reference(one_rank, first):
 def dropout_model(folder: Path) -> Path:
     """A GPT-2 with dropout 0.1 everywhere, saved as a `model.path` folder with a char tokenizer."""
     tokenizer = build_tokenizer("char", [TEXT_DATA.read_text()])
-    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=64, resid_pdrop=0.1,
-                        embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=tokenizer.eos_token_id,
-                        eos_token_id=tokenizer.eos_token_id)
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        n_positions=64,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.1,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     torch.manual_seed(0)
     GPT2LMHeadModel(config).save_pretrained(folder / "gpt2")
     tokenizer.save_pretrained(folder / "gpt2")
@@ -198,8 +231,13 @@ def test_a_dropout_model_run_repeats_bit_for_bit(one_rank, tmp_path):
     for attempt in range(2):
         torch.rand(1000)  # whatever ran before in this process must not matter
         config = write_job(tmp_path, f"dropout_{attempt}", train_type="seq", data=TEXT_DATA)
-        overrides = ["model.init=null", f"model.path={model}", "tokenizer.build=null", "train.max_steps=3",
-                     "checkpoint.resume=never"]
+        overrides = [
+            "model.init=null",
+            f"model.path={model}",
+            "tokenizer.build=null",
+            "train.max_steps=3",
+            "checkpoint.resume=never",
+        ]
         if "disable_dropout" in ModelConfig.model_fields:
             overrides.append("model.disable_dropout=false")  # dropout on: its masks come from the seeded RNG
         run, _ = train(one_rank, config, *overrides)
@@ -220,8 +258,13 @@ def saved_tokenizer(folder: Path, *, chatml: bool) -> Path:
     vocabulary = {token: index for index, token in enumerate(special + characters)}
     backend = Tokenizer(models.WordLevel(vocab=vocabulary, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>",
-                                        eos_token="</s>", additional_special_tokens=special[3:])
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        eos_token="</s>",
+        additional_special_tokens=special[3:],
+    )
     assert tokenizer.chat_template is None
     tokenizer.save_pretrained(folder)
     return folder

@@ -31,8 +31,11 @@ from astrai.rollout.rewards import (
 )
 
 INPUTS = {
-    "prompts": ["<p>1+2=", "<p>3+4="], "responses": ["3", " 8 "], "prompt_ids": [[1, 2], [3, 4]],
-    "response_ids": [[5, 9], [6, 9]], "messages": [[{"role": "user", "content": "1+2="}]] * 2,
+    "prompts": ["<p>1+2=", "<p>3+4="],
+    "responses": ["3", " 8 "],
+    "prompt_ids": [[1, 2], [3, 4]],
+    "response_ids": [[5, 9], [6, 9]],
+    "messages": [[{"role": "user", "content": "1+2="}]] * 2,
     "rows": [{"prompt": "1+2=", "answer": "3"}, {"prompt": "3+4=", "answer": "7"}],
 }
 DEVICE = torch.device("cpu")
@@ -86,8 +89,12 @@ def test_weighted_components_and_their_names(user_module):
     assert scores.components["lengths"].tolist() == [1.0, 3.0] and scores.components["constant"].tolist() == [0.5, 0.5]
     with pytest.raises(RewardError, match="names must differ"):
         combined("reward_fixtures:constant", "reward_fixtures:constant")
-    config = RewardConfig(components=[{"function": "reward_fixtures:lengths", "weight": 0.5},
-                                      {"function": "reward_fixtures:lengths", "name": "again"}])
+    config = RewardConfig(
+        components=[
+            {"function": "reward_fixtures:lengths", "weight": 0.5},
+            {"function": "reward_fixtures:lengths", "name": "again"},
+        ]
+    )
     reward = build_reward(config, DEVICE)
     assert reward.names == ["lengths", "again"] and reward(INPUTS).total.tolist() == [1.5, 4.5]
 
@@ -150,11 +157,18 @@ class RewardService(BaseHTTPRequestHandler):
             self.wfile.write(b"scripted failure")
             return
         lengths = [float(len(r)) for r in body["responses"]]
-        answers = {"bare": [1.0, 2.0], "short": {"rewards": lengths[:-1]}, "nan": {"rewards": [1.0, float("nan")]}, "no_key": {"scores": lengths}}
+        answers = {
+            "bare": [1.0, 2.0],
+            "short": {"rewards": lengths[:-1]},
+            "nan": {"rewards": [1.0, float("nan")]},
+            "no_key": {"scores": lengths},
+        }
         if step == "html":
             payload = b"<html><body>502 Bad Gateway (from a proxy, with status 200)</body></html>"
         else:
-            payload = json.dumps(answers.get(step, {"rewards": lengths})).encode()  # json writes NaN as the bare token NaN
+            payload = json.dumps(
+                answers.get(step, {"rewards": lengths})
+            ).encode()  # json writes NaN as the bare token NaN
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(payload)))
@@ -211,7 +225,9 @@ def test_http_reward_down_server_is_a_clear_error():
     with ThreadingHTTPServer(("127.0.0.1", 0), RewardService) as probe:
         port = probe.server_address[1]  # a port nobody listens on once closed
     started = time.monotonic()
-    with pytest.raises(RewardError, match=r"no answer after 2 attempts .*refused.*is the reward service running") as caught:
+    with pytest.raises(
+        RewardError, match=r"no answer after 2 attempts .*refused.*is the reward service running"
+    ) as caught:
         http(f"http://127.0.0.1:{port}/score", retries=1)(INPUTS)
     assert f"127.0.0.1:{port}" in str(caught.value) and time.monotonic() - started < 5
 
@@ -225,7 +241,12 @@ def http_from_yaml(url, **settings):
 def test_http_reward_built_from_the_yaml_section_honours_its_settings(service):
     reward = http_from_yaml(service, timeout_s=0.2, retries=1, retry_backoff_s=0.01, weight=2.0)
     source = reward.sources[0][0]
-    assert isinstance(source, HttpReward) and (source.url, source.timeout_s, source.retries, source.backoff_s) == (service, 0.2, 1, 0.01)
+    assert isinstance(source, HttpReward) and (source.url, source.timeout_s, source.retries, source.backoff_s) == (
+        service,
+        0.2,
+        1,
+        0.01,
+    )
     assert reward.names == ["scorer"] and reward(INPUTS).total.tolist() == [2.0, 6.0]  # weight 2 x the lengths 1, 3
     RewardService.plan = ["slow", "slow"]  # 0.5 s each: longer than timeout_s 0.2, twice
     started = time.monotonic()
@@ -239,7 +260,10 @@ def test_http_reward_built_from_the_yaml_section_honours_its_settings(service):
     [
         ("short", r"reward 'scorer' returned 1 values for 2 responses \(one float per response\)"),
         ("nan", r"reward 'scorer' returned a non-finite value \(nan\) for response 1"),
-        ("html", r"reward 'scorer': the answer is not JSON with a 'rewards' list \(JSONDecodeError.*it began b'<html><body>502 Bad Gateway"),
+        (
+            "html",
+            r"reward 'scorer': the answer is not JSON with a 'rewards' list \(JSONDecodeError.*it began b'<html><body>502 Bad Gateway",
+        ),
         ("no_key", r"reward 'scorer': the answer is not JSON with a 'rewards' list \(KeyError: 'rewards'\)"),
     ],
 )
@@ -260,14 +284,26 @@ def test_local_reward_model_scores_each_response_alone(tmp_path):
 
     tokenizer = tiny_tokenizer()
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     LlamaForSequenceClassification(config).save_pretrained(tmp_path / "rm")
     tokenizer.save_pretrained(tmp_path / "rm")
     reward = build_reward(RewardConfig(model_path=str(tmp_path / "rm"), batch_size=2), DEVICE)
-    inputs = dict(INPUTS, responses=["3", "a much longer reply", "7"], messages=[INPUTS["messages"][0]] * 3, prompts=["p"] * 3)
+    inputs = dict(
+        INPUTS, responses=["3", "a much longer reply", "7"], messages=[INPUTS["messages"][0]] * 3, prompts=["p"] * 3
+    )
     batched = reward(inputs).total
-    alone = [reward({**inputs, "responses": [text], "messages": inputs["messages"][:1]}).total.item() for text in inputs["responses"]]
+    alone = [
+        reward({**inputs, "responses": [text], "messages": inputs["messages"][:1]}).total.item()
+        for text in inputs["responses"]
+    ]
     assert batched.shape == (3,) and torch.isfinite(batched).all()
     assert batched.tolist() == pytest.approx(alone, abs=1e-5)  # padding in a batch does not change a score
     with pytest.raises(RewardError, match="does not exist"):

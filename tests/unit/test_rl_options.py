@@ -18,6 +18,7 @@ from astrai.algos.advantages import FixedKLController, rloo_advantages
 from astrai.algos.kl import kl_estimate
 from astrai.config import ConfigError
 from astrai.config.schema import JobConfig
+from astrai.models.value import ValueModel, trunk_of
 from astrai.rollout.generation import generate_rollout
 from astrai.rollout.prompts import render_prompt
 from astrai.rollout.rewards import WeightedReward
@@ -25,7 +26,6 @@ from astrai.rollout.sequences import masked_token_logprobs, response_logits, res
 from astrai.strategies.grpo import GrpoStrategy
 from astrai.strategies.online import batch_geometry
 from astrai.strategies.ppo import PPOStrategy
-from astrai.models.value import ValueModel, trunk_of
 from tests.unit.rollout_fixtures import LengthReward, PlainEngine, online_job, tiny_model, tiny_tokenizer
 
 CPU = types.SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
@@ -59,8 +59,17 @@ def rollout_and_models(tokenizer):
     policy, reference = tiny_model(tokenizer, seed=0), tiny_model(tokenizer, seed=1)
     chats = [[{"role": "user", "content": text}] for text in ("1+2=", "30-4=")]
     prompts = [render_prompt(tokenizer, chat) for chat in chats]
-    result = generate_rollout(PlainEngine(policy), tokenizer, prompts, chats, [{}, {}], job().rollout, seed=3,
-                              policy_version=0, logprob_batch_size=2)
+    result = generate_rollout(
+        PlainEngine(policy),
+        tokenizer,
+        prompts,
+        chats,
+        [{}, {}],
+        job().rollout,
+        seed=3,
+        policy_version=0,
+        logprob_batch_size=2,
+    )
     return result, policy, reference
 
 
@@ -76,20 +85,47 @@ def test_the_kl_estimator_defaults_by_placement():
     assert job("online_ppo", rl={"kl_estimator": "k3"}).rl.kl_kind("online_ppo") == "k3"  # asked for: kept
 
 
-@pytest.mark.parametrize("train_type, rl, rollout, message", [
-    ("grpo", {"kl_estimator": "k1"}, {},
-     r"`rl\.kl_estimator: k1` as a loss term \(`rl\.advantage_estimator: grpo`\) has zero expected gradient"),
-    ("grpo", {"kl_estimator": "k1", "advantage_estimator": "rloo"}, {},
-     r"k1` as a loss term \(`rl\.advantage_estimator: rloo`\)"),
-    ("online_ppo", {"kl_estimator": "k1", "kl_in_reward": False}, {},
-     r"k1` as a loss term \(`rl\.kl_in_reward: false`\)"),
-    ("online_ppo", {"advantage_estimator": "rloo"}, {},
-     r"`rl\.advantage_estimator: rloo` is for `train\.train_type: grpo`"),
-    ("grpo", {"advantage_estimator": "rloo"}, {"group_size": 1},
-     r"`rollout\.group_size` must be >= 2 with `rl\.advantage_estimator: rloo`"),
-    ("grpo", {"advantage_estimator": "reinforce_pp_baseline"}, {"group_size": 1},
-     r"group_size` must be >= 2 with `rl\.advantage_estimator: reinforce_pp_baseline"),
-])
+@pytest.mark.parametrize(
+    "train_type, rl, rollout, message",
+    [
+        (
+            "grpo",
+            {"kl_estimator": "k1"},
+            {},
+            r"`rl\.kl_estimator: k1` as a loss term \(`rl\.advantage_estimator: grpo`\) has zero expected gradient",
+        ),
+        (
+            "grpo",
+            {"kl_estimator": "k1", "advantage_estimator": "rloo"},
+            {},
+            r"k1` as a loss term \(`rl\.advantage_estimator: rloo`\)",
+        ),
+        (
+            "online_ppo",
+            {"kl_estimator": "k1", "kl_in_reward": False},
+            {},
+            r"k1` as a loss term \(`rl\.kl_in_reward: false`\)",
+        ),
+        (
+            "online_ppo",
+            {"advantage_estimator": "rloo"},
+            {},
+            r"`rl\.advantage_estimator: rloo` is for `train\.train_type: grpo`",
+        ),
+        (
+            "grpo",
+            {"advantage_estimator": "rloo"},
+            {"group_size": 1},
+            r"`rollout\.group_size` must be >= 2 with `rl\.advantage_estimator: rloo`",
+        ),
+        (
+            "grpo",
+            {"advantage_estimator": "reinforce_pp_baseline"},
+            {"group_size": 1},
+            r"group_size` must be >= 2 with `rl\.advantage_estimator: reinforce_pp_baseline",
+        ),
+    ],
+)
 def test_combinations_that_cannot_work_are_refused_naming_the_keys(train_type, rl, rollout, message):
     with pytest.raises(ValidationError, match=message):
         job(train_type, rl=rl, rollout=rollout)
@@ -105,8 +141,12 @@ def test_combinations_that_work_are_accepted():
 
 def test_a_resolved_job_validates_again():
     """A checkpoint's job.yaml holds every key, defaults included: it must load again (export, resume)."""
-    for train_type, rl in (("grpo", {"advantage_estimator": "rloo"}), ("grpo", {"advantage_estimator": "reinforce_pp"}),
-                           ("online_ppo", {"kl_in_reward": False}), ("online_ppo", {"importance_sampling": "sequence"})):
+    for train_type, rl in (
+        ("grpo", {"advantage_estimator": "rloo"}),
+        ("grpo", {"advantage_estimator": "reinforce_pp"}),
+        ("online_ppo", {"kl_in_reward": False}),
+        ("online_ppo", {"importance_sampling": "sequence"}),
+    ):
         resolved = job(train_type, rl=rl).model_dump(mode="json")
         assert JobConfig.model_validate(resolved).rl == job(train_type, rl=rl).rl
 

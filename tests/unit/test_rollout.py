@@ -17,7 +17,14 @@ import torch
 from astrai.data.render import RowError
 from astrai.rollout.generation import behaviour_logprobs_source, generate_rollout, rollout_metrics, sampling_seed
 from astrai.rollout.prompts import decode_prompt_row, prompt_batch, render_prompt
-from astrai.rollout.sequences import join_sequences, left_pad, position_ids, response_logprobs, response_mask, truncated_rows
+from astrai.rollout.sequences import (
+    join_sequences,
+    left_pad,
+    position_ids,
+    response_logprobs,
+    response_mask,
+    truncated_rows,
+)
 from tests.unit.rollout_fixtures import PlainEngine, tiny_model, tiny_tokenizer
 
 EOS, PAD = 3, 0
@@ -50,13 +57,15 @@ def prompts_of(tokenizer, texts):
 
 
 def test_response_mask_keeps_tokens_through_the_first_eos():
-    responses = torch.tensor([
-        [5, 6, EOS, PAD, PAD],  # EOS in the middle: the EOS is kept, the padding after it is not
-        [EOS, EOS, EOS, EOS, EOS],  # all EOS (pad == eos tokenizers): only the first counts
-        [5, 6, 7, 8, 9],  # no EOS: cut at max length, every token kept
-        [EOS, 5, 6, EOS, 7],  # immediate EOS: whatever follows is junk
-        [5, 6, 7, 8, EOS],  # EOS exactly at the last column
-    ])
+    responses = torch.tensor(
+        [
+            [5, 6, EOS, PAD, PAD],  # EOS in the middle: the EOS is kept, the padding after it is not
+            [EOS, EOS, EOS, EOS, EOS],  # all EOS (pad == eos tokenizers): only the first counts
+            [5, 6, 7, 8, 9],  # no EOS: cut at max length, every token kept
+            [EOS, 5, 6, EOS, 7],  # immediate EOS: whatever follows is junk
+            [5, 6, 7, 8, EOS],  # EOS exactly at the last column
+        ]
+    )
     assert response_mask(responses, EOS).tolist() == [
         [1, 1, 1, 0, 0],
         [1, 0, 0, 0, 0],
@@ -93,7 +102,9 @@ def test_response_logprobs_equal_a_fresh_unpadded_forward(model):
         response = response_ids[row][sequences["response_mask"][row].bool()].tolist()
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([prompt + response])).logits[0].double()
-        expected = [torch.log_softmax(logits[len(prompt) - 1 + t], -1)[token].item() for t, token in enumerate(response)]
+        expected = [
+            torch.log_softmax(logits[len(prompt) - 1 + t], -1)[token].item() for t, token in enumerate(response)
+        ]
         assert batched[row, : len(response)].tolist() == pytest.approx(expected, abs=ATOL)
         assert batched[row, len(response) :].abs().sum() == 0  # padding holds exact zeros
     hot = response_logprobs(model, sequences, temperature=2.0, batch_size=3)
@@ -106,7 +117,17 @@ def test_response_logprobs_equal_a_fresh_unpadded_forward(model):
 def test_rollout_shapes_groups_and_behaviour_logprobs(model, tokenizer):
     prompt_ids, messages = prompts_of(tokenizer, ["1+2=", "10+20=", "7-3="])
     rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "10+20=", "answer": "30"}, {"prompt": "7-3=", "answer": "4"}]
-    result = generate_rollout(PlainEngine(model), tokenizer, prompt_ids, messages, rows, settings(), seed=5, policy_version=7, logprob_batch_size=4)
+    result = generate_rollout(
+        PlainEngine(model),
+        tokenizer,
+        prompt_ids,
+        messages,
+        rows,
+        settings(),
+        seed=5,
+        policy_version=7,
+        logprob_batch_size=4,
+    )
     n, longest = 9, max(len(ids) for ids in prompt_ids)
     assert result.size == n and result.group_size == 3 and result.policy_version == 7
     assert result.prompt_ids.shape == result.prompt_mask.shape == (n, longest)
@@ -114,12 +135,18 @@ def test_rollout_shapes_groups_and_behaviour_logprobs(model, tokenizer):
     assert 1 <= width <= 6 and result.response_mask.shape == result.behaviour_logprobs.shape == (n, width)
     for index in range(n):  # groups are contiguous: rows 3k..3k+2 answer prompt k
         prompt = result.prompt_ids[index][result.prompt_mask[index].bool()].tolist()
-        assert prompt == prompt_ids[index // 3] and result.rows[index] == rows[index // 3] and result.messages[index] == messages[index // 3]
+        assert (
+            prompt == prompt_ids[index // 3]
+            and result.rows[index] == rows[index // 3]
+            and result.messages[index] == messages[index // 3]
+        )
     assert result.prompt_texts[0].endswith("<|im_start|>assistant\n")
     # The mask is the rule of `response_mask`, and truncation is "no EOS".
     assert torch.equal(result.response_mask, response_mask(result.response_ids, tokenizer.eos_token_id))
     assert torch.equal(result.truncated, truncated_rows(result.response_ids, tokenizer.eos_token_id))
-    assert result.response_texts[0] == tokenizer.decode(result.response_ids[0][result.response_mask[0].bool()].tolist(), skip_special_tokens=True)
+    assert result.response_texts[0] == tokenizer.decode(
+        result.response_ids[0][result.response_mask[0].bool()].tolist(), skip_special_tokens=True
+    )
     # Behaviour log-probs = a fresh forward of the same weights on each sequence alone.
     for index in (0, 4, 8):
         prompt = prompt_ids[index // 3]
@@ -138,11 +165,22 @@ def test_sampler_behaviour_logprobs_equal_the_recomputed_ones(model, tokenizer, 
     prompt_ids, messages = prompts_of(tokenizer, ["1+2=", "10+20=", "7-3="])
 
     def rollout(source):
-        return generate_rollout(PlainEngine(model), tokenizer, prompt_ids, messages, [{}, {}, {}], settings(behaviour_logprobs=source, max_new_tokens=12, **sampling),
-                                seed=11, policy_version=0, logprob_batch_size=4)
+        return generate_rollout(
+            PlainEngine(model),
+            tokenizer,
+            prompt_ids,
+            messages,
+            [{}, {}, {}],
+            settings(behaviour_logprobs=source, max_new_tokens=12, **sampling),
+            seed=11,
+            policy_version=0,
+            logprob_batch_size=4,
+        )
 
     recomputed, sampled = rollout("recompute"), rollout("sampler")
-    assert torch.equal(sampled.response_ids, recomputed.response_ids) and torch.equal(sampled.response_mask, recomputed.response_mask)
+    assert torch.equal(sampled.response_ids, recomputed.response_ids) and torch.equal(
+        sampled.response_mask, recomputed.response_mask
+    )
     assert sampled.response_mask.sum() > 12
     if not sampling:  # untruncated, this random model ends some responses early: pads to keep at 0
         assert not sampled.response_mask.all()
@@ -155,8 +193,16 @@ def test_sampler_behaviour_logprobs_equal_the_recomputed_ones(model, tokenizer, 
 def test_auto_behaviour_logprobs_come_from_the_sampler_in_fp32_only(model, tokenizer):
     """`auto` (the default): fp32 keeps the sampler's log-probs (no forward of the engine after sampling);
     bf16/fp16, or an engine that does not say, recompute them; an explicit choice is kept whatever the precision."""
-    assert [behaviour_logprobs_source("auto", precision) for precision in ("fp32", "bf16", "fp16", None)] == ["sampler", "recompute", "recompute", "recompute"]
-    assert behaviour_logprobs_source("recompute", "fp32") == "recompute" and behaviour_logprobs_source("sampler", "bf16") == "sampler"
+    assert [behaviour_logprobs_source("auto", precision) for precision in ("fp32", "bf16", "fp16", None)] == [
+        "sampler",
+        "recompute",
+        "recompute",
+        "recompute",
+    ]
+    assert (
+        behaviour_logprobs_source("recompute", "fp32") == "recompute"
+        and behaviour_logprobs_source("sampler", "bf16") == "sampler"
+    )
     prompt_ids, messages = prompts_of(tokenizer, ["1+2=", "7-3="])
 
     class CountingEngine(PlainEngine):
@@ -170,8 +216,17 @@ def test_auto_behaviour_logprobs_come_from_the_sampler_in_fp32_only(model, token
     for precision in ("fp32", "bf16"):
         engine, CountingEngine.forwards = CountingEngine(model), 0
         engine.precision = precision  # the label only: the model computes in fp32 either way
-        results[precision] = generate_rollout(engine, tokenizer, prompt_ids, messages, [{}, {}], settings(behaviour_logprobs="auto", max_new_tokens=8),
-                                              seed=2, policy_version=0, logprob_batch_size=8)
+        results[precision] = generate_rollout(
+            engine,
+            tokenizer,
+            prompt_ids,
+            messages,
+            [{}, {}],
+            settings(behaviour_logprobs="auto", max_new_tokens=8),
+            seed=2,
+            policy_version=0,
+            logprob_batch_size=8,
+        )
         assert CountingEngine.forwards == (0 if precision == "fp32" else 1), precision
     assert torch.equal(results["fp32"].response_ids, results["bf16"].response_ids)
     assert torch.allclose(results["fp32"].behaviour_logprobs, results["bf16"].behaviour_logprobs, atol=ATOL)
@@ -190,8 +245,14 @@ def test_inverse_cdf_sampling_by_hand():
     assert inverse_cdf_sample(truncated, torch.tensor([1.0 - 2**-24])).tolist() == [2]
 
 
-@pytest.mark.parametrize("knobs", [dict(temperature=1.0, top_k=0, top_p=1.0), dict(temperature=0.5, top_k=3, top_p=1.0),
-                                   dict(temperature=2.0, top_k=0, top_p=0.6)])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(temperature=1.0, top_k=0, top_p=1.0),
+        dict(temperature=0.5, top_k=3, top_p=1.0),
+        dict(temperature=2.0, top_k=0, top_p=0.6),
+    ],
+)
 def test_the_token_sampler_draws_from_the_warped_distribution(knobs):
     """20,000 draws from one row of logits, against the distribution computed here by hand: softmax at the
     temperature, then the top k kept, then the smallest nucleus of mass >= top_p, renormalised."""
@@ -219,7 +280,9 @@ def test_the_token_sampler_draws_from_the_warped_distribution(knobs):
     assert frequencies[~keep].sum() == 0  # nothing outside the top k / the nucleus, never the -inf token
     # Drawn in chunks of rows (bounded float64 memory), the same uniforms give the same tokens.
     torch.manual_seed(0)
-    chunked = TokenSampler(**knobs, keep_logprobs=False, chunk_elements=6 * 7)(torch.zeros(draws, 1, dtype=torch.long), logits.expand(draws, 6).clone())
+    chunked = TokenSampler(**knobs, keep_logprobs=False, chunk_elements=6 * 7)(
+        torch.zeros(draws, 1, dtype=torch.long), logits.expand(draws, 6).clone()
+    )
     assert torch.equal(chunked.argmax(-1), tokens)
     # The kept log-prob is the token's under the full softmax at the temperature, not the truncated one.
     kept = sampler.logprobs(tokens[:, None], torch.ones(draws, 1))
@@ -243,7 +306,17 @@ def test_sampler_logprobs_are_zero_on_pads_and_refuse_a_step_count_mismatch():
 
 def test_max_length_truncates_and_marks(model, tokenizer):
     prompt_ids, messages = prompts_of(tokenizer, ["1+2="])
-    result = generate_rollout(PlainEngine(model), tokenizer, prompt_ids, messages, [{}], settings(group_size=8, max_new_tokens=2), seed=1, policy_version=0, logprob_batch_size=8)
+    result = generate_rollout(
+        PlainEngine(model),
+        tokenizer,
+        prompt_ids,
+        messages,
+        [{}],
+        settings(group_size=8, max_new_tokens=2),
+        seed=1,
+        policy_version=0,
+        logprob_batch_size=8,
+    )
     assert result.response_ids.shape[1] <= 2
     lengths = result.response_mask.sum(dim=1)
     for row in range(8):  # a row is either cut at 2 tokens without EOS or ended by an EOS
@@ -258,8 +331,19 @@ def test_sampling_is_seeded_per_rollout_and_ignores_model_generation_defaults(mo
     model.generation_config.top_k = 1  # a model default that would make sampling greedy
     model.generation_config.repetition_penalty = 10.0
     try:
+
         def run(seed):
-            return generate_rollout(engine, tokenizer, prompt_ids, messages, [{}], settings(group_size=8), seed=seed, policy_version=0, logprob_batch_size=8)
+            return generate_rollout(
+                engine,
+                tokenizer,
+                prompt_ids,
+                messages,
+                [{}],
+                settings(group_size=8),
+                seed=seed,
+                policy_version=0,
+                logprob_batch_size=8,
+            )
 
         first, again, other = run(11), run(11), run(12)
     finally:
@@ -287,7 +371,9 @@ def sampled_token_standing(model, result, prompt_ids) -> tuple[list[int], list[f
         prompt = prompt_ids[index // result.group_size]
         response = result.response_ids[index][result.response_mask[index].bool()].tolist()
         with torch.no_grad():
-            logits = model(input_ids=torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(response)]
+            logits = model(input_ids=torch.tensor([prompt + response])).logits[
+                0, len(prompt) - 1 : len(prompt) - 1 + len(response)
+            ]
         probabilities = torch.softmax(logits.double(), dim=-1)
         for position, token in enumerate(response):
             likelier = probabilities[position] > probabilities[position, token]
@@ -299,12 +385,31 @@ def sampled_token_standing(model, result, prompt_ids) -> tuple[list[int], list[f
 @pytest.mark.parametrize("truncation", [{"top_k": 1}, {"top_p": 1e-3}])
 def test_top_k_1_and_a_tiny_top_p_sample_the_greedy_response(model, tokenizer, truncation):
     prompt_ids, messages = prompts_of(tokenizer, ["5+5=", "12-3="])
-    result = generate_rollout(PlainEngine(model), tokenizer, prompt_ids, messages, [{}, {}], settings(group_size=4, **truncation),
-                              seed=7, policy_version=0, logprob_batch_size=8)
+    result = generate_rollout(
+        PlainEngine(model),
+        tokenizer,
+        prompt_ids,
+        messages,
+        [{}, {}],
+        settings(group_size=4, **truncation),
+        seed=7,
+        policy_version=0,
+        logprob_batch_size=8,
+    )
     for index in range(result.size):
         response = result.response_ids[index][result.response_mask[index].bool()].tolist()
         assert response == greedy_continuation(model, prompt_ids[index // 4], 6, tokenizer.eos_token_id), index
-    plain = generate_rollout(PlainEngine(model), tokenizer, prompt_ids, messages, [{}, {}], settings(group_size=4), seed=7, policy_version=0, logprob_batch_size=8)
+    plain = generate_rollout(
+        PlainEngine(model),
+        tokenizer,
+        prompt_ids,
+        messages,
+        [{}, {}],
+        settings(group_size=4),
+        seed=7,
+        policy_version=0,
+        logprob_batch_size=8,
+    )
     assert len(set(plain.response_texts)) > 2  # the same seed without truncation samples diverse responses
 
 
@@ -312,8 +417,17 @@ def test_top_k_and_top_p_restrict_each_sampled_token(model, tokenizer):
     prompt_ids, messages = prompts_of(tokenizer, ["5+5=", "12-3="])
 
     def standing(**truncation):
-        result = generate_rollout(PlainEngine(model), tokenizer, prompt_ids, messages, [{}, {}], settings(group_size=8, **truncation),
-                                  seed=3, policy_version=0, logprob_batch_size=8)
+        result = generate_rollout(
+            PlainEngine(model),
+            tokenizer,
+            prompt_ids,
+            messages,
+            [{}, {}],
+            settings(group_size=8, **truncation),
+            seed=3,
+            policy_version=0,
+            logprob_batch_size=8,
+        )
         return sampled_token_standing(model, result, prompt_ids)
 
     ranks, masses = standing()
@@ -330,7 +444,17 @@ def test_rollout_leaves_the_global_rng_alone(model, tokenizer):
     torch.manual_seed(99)
     expected = torch.rand(3)
     torch.manual_seed(99)
-    generate_rollout(PlainEngine(model), tokenizer, prompt_ids, messages, [{}], settings(), seed=1, policy_version=0, logprob_batch_size=4)
+    generate_rollout(
+        PlainEngine(model),
+        tokenizer,
+        prompt_ids,
+        messages,
+        [{}],
+        settings(),
+        seed=1,
+        policy_version=0,
+        logprob_batch_size=4,
+    )
     assert torch.equal(torch.rand(3), expected)
     assert model.training is False  # restored to the mode it had
 
@@ -343,8 +467,14 @@ def test_sampling_seed_is_distinct_per_step_rank_and_stream():
 
 def test_rollout_metrics_from_global_sums():
     # Two ranks' sums: rewards {1, 0} and {1, 1}; 4 responses of 3, 1, 2, 2 tokens, one truncated.
-    totals = {"rollout/responses": 4.0, "rollout/response_tokens": 8.0, "rollout/truncated": 1.0,
-              "rollout/reward": 3.0, "rollout/reward_squared": 3.0, "rollout/reward_exact": 2.0}
+    totals = {
+        "rollout/responses": 4.0,
+        "rollout/response_tokens": 8.0,
+        "rollout/truncated": 1.0,
+        "rollout/reward": 3.0,
+        "rollout/reward_squared": 3.0,
+        "rollout/reward_exact": 2.0,
+    }
     record = rollout_metrics(totals)
     assert record["reward_mean"] == pytest.approx(0.75)
     assert record["reward_std"] == pytest.approx((0.75 - 0.75**2) ** 0.5)  # population std of {1, 0, 1, 1}

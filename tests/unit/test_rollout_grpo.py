@@ -24,7 +24,9 @@ from tests.unit.rollout_fixtures import PlainEngine, tiny_model, tiny_tokenizer
 
 def job(**sections) -> JobConfig:
     raw = {
-        "output_dir": "/tmp/unused", "model": {"init": {"model_type": "llama"}}, "tokenizer": {"build": {"kind": "char"}},
+        "output_dir": "/tmp/unused",
+        "model": {"init": {"model_type": "llama"}},
+        "tokenizer": {"build": {"kind": "char"}},
         "data": {"path": "unused.jsonl"},
         "train": {"train_type": "grpo", "max_steps": 3, "micro_batch_size": 2, "grad_accum_steps": 2},
         "rollout": {"prompts_per_step": 4, "group_size": 4, "max_new_tokens": 5},
@@ -64,7 +66,17 @@ def rollout_and_models(tokenizer):
     config = job()
     chats = [[{"role": "user", "content": text}] for text in ("1+2=", "30-4=")]
     prompts = [render_prompt(tokenizer, chat) for chat in chats]
-    result = generate_rollout(PlainEngine(policy), tokenizer, prompts, chats, [{}, {}], config.rollout, seed=3, policy_version=0, logprob_batch_size=2)
+    result = generate_rollout(
+        PlainEngine(policy),
+        tokenizer,
+        prompts,
+        chats,
+        [{}, {}],
+        config.rollout,
+        seed=3,
+        policy_version=0,
+        logprob_batch_size=2,
+    )
     return result, policy, reference
 
 
@@ -73,7 +85,12 @@ def rollout_and_models(tokenizer):
 
 def test_batch_geometry_splits_a_rollout_into_optimizer_steps():
     geometry = batch_geometry(job(rollout={"prompts_per_step": 8, "group_size": 4}), world_size=2)
-    assert (geometry.prompts_per_rank, geometry.sequences_per_rank, geometry.sequences_per_update, geometry.updates_per_epoch) == (4, 16, 4, 4)
+    assert (
+        geometry.prompts_per_rank,
+        geometry.sequences_per_rank,
+        geometry.sequences_per_update,
+        geometry.updates_per_epoch,
+    ) == (4, 16, 4, 4)
     assert batch_geometry(job(rl={"minibatch_size": 8}), world_size=2).updates_per_epoch == 2
     assert GrpoStrategy(job(rl={"epochs_per_rollout": 3}), None).optimizer_steps_per_step(2) == 3 * 2
 
@@ -113,8 +130,17 @@ def test_frozen_targets(tokenizer, rollout_and_models):
     assert torch.allclose(targets["advantages"], grpo_advantages(lengths, 4))
     expected = response_logprobs(reference, targets, temperature=1.0, batch_size=8)
     assert torch.allclose(targets["reference_logprobs"], expected, atol=1e-6)
-    assert set(targets) >= {"input_ids", "attention_mask", "position_ids", "response_ids", "response_mask", "behaviour_logprobs"}
-    mean_only = strategy_with(job(rl={"normalize_advantage_std": False}), tokenizer, policy).frozen_targets(copy.copy(result))
+    assert set(targets) >= {
+        "input_ids",
+        "attention_mask",
+        "position_ids",
+        "response_ids",
+        "response_mask",
+        "behaviour_logprobs",
+    }
+    mean_only = strategy_with(job(rl={"normalize_advantage_std": False}), tokenizer, policy).frozen_targets(
+        copy.copy(result)
+    )
     assert torch.allclose(mean_only["advantages"], lengths - lengths.reshape(2, 4).mean(1).repeat_interleave(4))
     assert "reference_logprobs" not in mean_only  # kl_coef 0 is "no reference": see setup
 
@@ -125,7 +151,9 @@ def test_minibatches_cover_each_sequence_once_per_epoch(tokenizer):
     epochs = []
     for epoch in range(2):
         updates = list(strategy.minibatches(targets, step=5, epoch=epoch))
-        assert len(updates) == 2 and all(len(micro_batches) == 2 for micro_batches in updates)  # 2 updates x accumulation 2
+        assert len(updates) == 2 and all(
+            len(micro_batches) == 2 for micro_batches in updates
+        )  # 2 updates x accumulation 2
         order = [int(v) for micro_batches in updates for batch in micro_batches for v in batch["value"]]
         assert sorted(order) == list(range(8))
         epochs.append(order)
@@ -148,7 +176,9 @@ def test_first_update_loss_by_hand(tokenizer, rollout_and_models):
     expected = -(targets["advantages"][:, None] * mask).sum() / tokens
     assert output.loss.item() == pytest.approx(expected.item(), abs=1e-6)
     assert output.sums["clip_frac"] == 0.0 and output.sums["kl"] == pytest.approx(0.0, abs=1e-6)
-    assert strategy.loss_weight(targets) == tokens.item() and output.sums["entropy"] > 0  # the loop sums tokens and weight
+    assert (
+        strategy.loss_weight(targets) == tokens.item() and output.sums["entropy"] > 0
+    )  # the loop sums tokens and weight
     per_sequence = strategy_with(job(rl={"loss_aggregation": "sequence_mean"}), tokenizer, policy, reference=policy)
     output = per_sequence.compute_loss(PlainEngine(policy), targets, normalizer=8.0)
     expected = (-(targets["advantages"][:, None] * mask).sum(1) / mask.sum(1)).mean()
@@ -161,14 +191,28 @@ def test_one_update_per_rollout_skips_the_behaviour_forward(tokenizer, rollout_a
     result, policy, reference = rollout_and_models
     one_update = job(train={"micro_batch_size": 8, "grad_accum_steps": 2}, rl={"kl_coef": 0.5})
     assert strategy_with(job(), tokenizer, policy).needs_behaviour_logprobs()  # 4 updates: the later ones need pi_old
-    assert strategy_with(job(rl={"epochs_per_rollout": 2}, train={"micro_batch_size": 8, "grad_accum_steps": 2}), tokenizer, policy).needs_behaviour_logprobs()
+    assert strategy_with(
+        job(rl={"epochs_per_rollout": 2}, train={"micro_batch_size": 8, "grad_accum_steps": 2}), tokenizer, policy
+    ).needs_behaviour_logprobs()
     strategy = strategy_with(one_update, tokenizer, policy, reference)
     assert not strategy.needs_behaviour_logprobs()
     chats = [[{"role": "user", "content": text}] for text in ("1+2=", "30-4=")]
     prompts = [render_prompt(tokenizer, chat) for chat in chats]
-    skipped = generate_rollout(PlainEngine(policy), tokenizer, prompts, chats, [{}, {}], one_update.rollout, seed=3, policy_version=0,
-                               logprob_batch_size=2, behaviour_logprobs=False)
-    assert skipped.behaviour_logprobs is None and torch.equal(skipped.response_ids, result.response_ids)  # same seed, same samples
+    skipped = generate_rollout(
+        PlainEngine(policy),
+        tokenizer,
+        prompts,
+        chats,
+        [{}, {}],
+        one_update.rollout,
+        seed=3,
+        policy_version=0,
+        logprob_batch_size=2,
+        behaviour_logprobs=False,
+    )
+    assert skipped.behaviour_logprobs is None and torch.equal(
+        skipped.response_ids, result.response_ids
+    )  # same seed, same samples
     without, recomputed = strategy.frozen_targets(skipped), strategy.frozen_targets(copy.copy(result))
     assert "behaviour_logprobs" not in without and "behaviour_logprobs" in recomputed
 
@@ -191,7 +235,9 @@ def test_split_micro_batches_give_the_whole_batch_gradient(tokenizer, rollout_an
     config = job(rl={"loss_aggregation": aggregation, "kl_coef": 0.5})
     strategy = strategy_with(config, tokenizer, policy, reference)
     targets = strategy.frozen_targets(copy.copy(result))
-    targets["behaviour_logprobs"] = targets["behaviour_logprobs"] - 0.3 * targets["response_mask"]  # ratios != 1: clipping active
+    targets["behaviour_logprobs"] = (
+        targets["behaviour_logprobs"] - 0.3 * targets["response_mask"]
+    )  # ratios != 1: clipping active
     model = copy.deepcopy(policy)
 
     def gradient(batches, accumulation):
@@ -212,11 +258,17 @@ def test_batch_split_is_checked_before_any_rank_starts(monkeypatch):
     over the ranks fails with a ConfigError (exit 2) naming the job file, before the rendezvous."""
     from astrai.train import load_and_check
 
-    tiny = ["model.path=null", "model.init={model_type: llama}", "tokenizer.build={kind: char}"]  # runs/quickstart/hf may not exist
+    tiny = [
+        "model.path=null",
+        "model.init={model_type: llama}",
+        "tokenizer.build={kind: char}",
+    ]  # runs/quickstart/hf may not exist
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert load_and_check("configs/quickstart_grpo.yaml", tiny).rollout.prompts_per_step == 16
     monkeypatch.setenv("WORLD_SIZE", "2")  # 8 prompts x 8 responses per rank: half a minibatch of 16 x 8
-    with pytest.raises(ConfigError, match=r"quickstart_grpo\.yaml: each rank samples 8 prompts x rollout\.group_size 8 = 64 responses"):
+    with pytest.raises(
+        ConfigError, match=r"quickstart_grpo\.yaml: each rank samples 8 prompts x rollout\.group_size 8 = 64 responses"
+    ):
         load_and_check("configs/quickstart_grpo.yaml", tiny)
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ConfigError, match=r"rollout\.prompts_per_step 16 does not split over 3 ranks"):

@@ -71,8 +71,7 @@ def test_a_live_holder_is_refused_and_named(tmp_path, holder):
     message = str(refused.value)
     assert (
         f"output_dir {tmp_path / 'out'} is in use by the job of host {socket.gethostname()} pid {holder.process.pid} "
-        f"(started {record['started']}"
-        in message
+        f"(started {record['started']}" in message
     )
     assert "job file " + record["config"] in message
     assert json.loads((tmp_path / "out" / RECORD_NAME).read_text()) == record  # the refused one wrote nothing
@@ -173,8 +172,7 @@ def test_launch_refuses_an_output_dir_in_use(tmp_path, holder):
     assert finished.returncode == 1, finished.stderr
     assert (
         f"astrai launch: output_dir {tmp_path / 'out'} is in use by the job of host {socket.gethostname()} "
-        f"pid {holder.process.pid}"
-        in finished.stderr
+        f"pid {holder.process.pid}" in finished.stderr
     )
     assert not (tmp_path / "out" / "launch").exists()
 
@@ -184,7 +182,9 @@ def test_an_output_dir_that_cannot_be_locked_is_a_refusal_for_every_rank(tmp_pat
     (tmp_path / "file").write_text("not a folder")
     lock, refusal = lock_for_this_rank(tmp_path / "file" / "out", "job.yaml")
     output_dir = tmp_path / "file" / "out"
-    assert lock.descriptor is None and refusal.startswith(f"{output_dir}: ENOTDIR: Not a directory (output_dir: {output_dir};")
+    assert lock.descriptor is None and refusal.startswith(
+        f"{output_dir}: ENOTDIR: Not a directory (output_dir: {output_dir};"
+    )
 
 
 def test_a_holder_whose_record_is_not_written_yet_is_not_confused_with_the_dead_job_before_it(tmp_path):
@@ -194,7 +194,9 @@ def test_a_holder_whose_record_is_not_written_yet_is_not_confused_with_the_dead_
         import fcntl
 
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a holder between its flock and its record
-        with pytest.raises(OutputDirLockedError, match=r"is in use by another job \(it holds .*; no record of it yet\)"):
+        with pytest.raises(
+            OutputDirLockedError, match=r"is in use by another job \(it holds .*; no record of it yet\)"
+        ):
             RunLock(tmp_path / "out").acquire()
     finally:
         os.close(other)

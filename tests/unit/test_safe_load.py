@@ -37,14 +37,30 @@ def test_deepspeed_files_of_every_stage_scan_clean_and_load_weights_only(one_ran
     from astrai.engine import build_ds_config, make_engine
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=16, tie_word_embeddings=True,
-    ))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=16,
+            tie_word_embeddings=True,
+        )
+    )
     section = DeepSpeedSection(zero_stage=stage, single_rank_stage0=False)  # ZeRO-1/2 kept on one rank
     config = build_ds_config(
-        section, template_path=None, micro_batch_size=2, grad_accum_steps=1, max_grad_norm=1.0, precision=precision,
-        lr=1e-2, betas=(0.9, 0.999), eps=1e-8, world_size=1,
+        section,
+        template_path=None,
+        micro_batch_size=2,
+        grad_accum_steps=1,
+        max_grad_norm=1.0,
+        precision=precision,
+        lr=1e-2,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        world_size=1,
     )
     engine = make_engine(model, config, weight_decay=0.1, schedule=lambda completed: 1.0)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))

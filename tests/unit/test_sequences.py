@@ -22,15 +22,28 @@ class NoKeepOption(torch.nn.Module):
 
 def test_response_logits_with_logits_to_keep_equal_a_sliced_full_forward():
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)).eval()
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=40,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
+    ).eval()
     prompt_ids, prompt_mask = left_pad([[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]], pad_token_id=0)
     response_ids = torch.randint(3, 40, (3, 6))
     response_ids[1, 2] = 2  # an EOS mid-response: the mask ends there
     sequences = join_sequences(prompt_ids, prompt_mask, response_ids, response_mask(response_ids, 2))
     assert _keeps_logits(model) and not _keeps_logits(NoKeepOption(model))
     with torch.no_grad():
-        full = model(input_ids=sequences["input_ids"], attention_mask=sequences["attention_mask"], position_ids=sequences["position_ids"]).logits
+        full = model(
+            input_ids=sequences["input_ids"],
+            attention_mask=sequences["attention_mask"],
+            position_ids=sequences["position_ids"],
+        ).logits
         expected = full[:, 4:10] / 0.7  # P = 5: response token t is predicted at column P - 1 + t
         kept = response_logits(model, sequences, temperature=0.7)
         sliced = response_logits(NoKeepOption(model), sequences, temperature=0.7)

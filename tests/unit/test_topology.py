@@ -37,7 +37,9 @@ class TiedModel(torch.nn.Module):
         self.head.weight = self.embed.weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.cross_entropy(self.head(self.inner(self.embed(ids)) * self.norm).flatten(0, 1), ids.flatten())
+        return torch.nn.functional.cross_entropy(
+            self.head(self.inner(self.embed(ids)) * self.norm).flatten(0, 1), ids.flatten()
+        )
 
 
 def warmup(done: int) -> float:
@@ -68,8 +70,14 @@ def update(model, optimizer, scheduler, ids) -> float:
 def model_states(model, optimizer, scheduler, record_names: bool) -> dict:
     """What DeepSpeed's ZeRO-0 `mp_rank_00_model_states.pt` holds (the keys the converter reads)."""
     states = {
-        "module": model.state_dict(), "optimizer": optimizer.state_dict(), "buffer_names": [], "lr_scheduler": scheduler.state_dict(),
-        "global_steps": STEPS, "global_samples": STEPS * 8, "skipped_steps": 0, "ds_config": {"zero_optimization": {"stage": 0}},
+        "module": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "buffer_names": [],
+        "lr_scheduler": scheduler.state_dict(),
+        "global_steps": STEPS,
+        "global_samples": STEPS * 8,
+        "skipped_steps": 0,
+        "ds_config": {"zero_optimization": {"stage": 0}},
     }
     if record_names:
         names = {id(parameter): name for name, parameter in model.named_parameters()}
@@ -116,7 +124,12 @@ def test_stage0_checkpoint_reads_into_full_tensors(tmp_path, record_names):
     torch.save(model_states(model, optimizer, scheduler, record_names), shards / "mp_rank_00_model_states.pt")
     info = write_portable_part(tmp_path / "policy", tmp_path / "out", tmp_path / "scratch", "state")
     assert info.names == ["embed.weight", "inner.weight", "norm"]  # the tied head counted once
-    assert (info.optimizer_step, info.global_steps, info.global_samples, info.source_zero_stage) == (STEPS, STEPS, STEPS * 8, 0)
+    assert (info.optimizer_step, info.global_steps, info.global_samples, info.source_zero_stage) == (
+        STEPS,
+        STEPS,
+        STEPS * 8,
+        0,
+    )
     assert info.lr_scheduler["last_epoch"] == STEPS and not (tmp_path / "scratch").exists()
     part = PortablePart(tmp_path / "out")
     for name, parameter in model.named_parameters():
@@ -135,7 +148,10 @@ def test_filled_optimizer_continues_the_run_exactly(checkpoint, tmp_path):
     fresh = TiedModel()
     fresh_optimizer = torch.optim.AdamW(parameter_groups(fresh, 0.1), lr=1e-2)
     fresh_scheduler = torch.optim.lr_scheduler.LambdaLR(fresh_optimizer, warmup)
-    engine = Engine(SimpleNamespace(module=fresh, optimizer=fresh_optimizer, lr_scheduler=fresh_scheduler, global_steps=0), {"zero_optimization": {"stage": 0}})
+    engine = Engine(
+        SimpleNamespace(module=fresh, optimizer=fresh_optimizer, lr_scheduler=fresh_scheduler, global_steps=0),
+        {"zero_optimization": {"stage": 0}},
+    )
     engine.load_full_state(PortablePart(tmp_path / "out"))
     assert [group["lr"] for group in fresh_optimizer.param_groups] == [lr, lr] == [1e-2 * warmup(STEPS)] * 2
     assert engine.global_steps == STEPS and fresh.head.weight is fresh.embed.weight
@@ -148,7 +164,10 @@ def test_filled_optimizer_continues_the_run_exactly(checkpoint, tmp_path):
 def test_fill_rejects_a_model_with_other_parameters(checkpoint, tmp_path):
     write_portable_part(checkpoint / "policy", tmp_path / "out", tmp_path / "scratch", "state")
     other = torch.nn.Linear(4, 4)
-    engine = Engine(SimpleNamespace(module=other, optimizer=torch.optim.AdamW(other.parameters())), {"zero_optimization": {"stage": 0}})
+    engine = Engine(
+        SimpleNamespace(module=other, optimizer=torch.optim.AdamW(other.parameters())),
+        {"zero_optimization": {"stage": 0}},
+    )
     with pytest.raises(ValueError, match="differ from the model's"):
         engine.load_full_state(PortablePart(tmp_path / "out"))
     with pytest.raises(CheckpointError, match="cannot load"):
@@ -164,8 +183,12 @@ def test_convert_publishes_next_to_the_original_and_reuses_it(checkpoint):
     assert manifest.meta["layout"] == "portable" and manifest.meta["source"]["world_size"] == 2
     assert manifest.meta["target"] == {"world_size": 1} and manifest.meta["train_type"] == "sft"
     assert sorted(name for name in manifest.files) == [
-        "job.yaml", "policy/exp_avg.safetensors", "policy/exp_avg_sq.safetensors", "policy/fp32.safetensors",
-        "policy/portable.json", "trainer_state.json",
+        "job.yaml",
+        "policy/exp_avg.safetensors",
+        "policy/exp_avg_sq.safetensors",
+        "policy/fp32.safetensors",
+        "policy/portable.json",
+        "trainer_state.json",
     ]
     verify_checkpoint(converted)
     assert verify_checkpoint(checkpoint).files == before.files  # the original is untouched
@@ -214,7 +237,9 @@ def test_a_killed_conversion_leaves_only_a_hidden_staging_folder(checkpoint):
         "portable.save_file = die\n"
         f"sys.exit(topology.convert_main([{str(checkpoint)!r}]))\n"
     )
-    completed = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
+    completed = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120
+    )
     assert completed.returncode == -9, completed.stderr[-2000:]
     leftovers = os.listdir(checkpoint.parent / "portable")
     assert len(leftovers) == 1 and leftovers[0].startswith(".step_") and ".staging-" in leftovers[0]
@@ -225,7 +250,9 @@ def test_a_killed_conversion_leaves_only_a_hidden_staging_folder(checkpoint):
 
 
 def test_convert_tool_exit_codes(checkpoint, tmp_path, capsys):
-    assert convert_main([str(checkpoint.parent.parent), "--world-size", "4", "--zero-stage", "3"]) == 0  # an output_dir: its newest
+    assert (
+        convert_main([str(checkpoint.parent.parent), "--world-size", "4", "--zero-stage", "3"]) == 0
+    )  # an output_dir: its newest
     assert capsys.readouterr().out.strip() == str(portable_path(checkpoint))
     assert read_manifest(portable_path(checkpoint)).meta["target"] == {"world_size": 4, "zero_stage": 3}
     assert convert_main([str(tmp_path / "nothing")]) == 1
@@ -256,7 +283,9 @@ def draws() -> tuple[float, float, float]:
 def state_saved_on(world_size: int, *, step: int = 4, consumed: int = 36):
     from astrai.checkpointing import TrainerState, capture_rng
 
-    return TrainerState(step=step, consumed_samples=consumed, world_size=world_size, rng=[capture_rng() for _ in range(world_size)])
+    return TrainerState(
+        step=step, consumed_samples=consumed, world_size=world_size, rng=[capture_rng() for _ in range(world_size)]
+    )
 
 
 def test_reseed_covers_python_numpy_and_torch_deterministically_per_rank():
@@ -278,7 +307,15 @@ def test_a_changed_world_size_logs_both_rules_once_and_reseeds(caplog):
     for rank in (0, 1, 2):
         state = state_saved_on(2)
         with caplog.at_level("INFO", logger="astrai"):
-            carry_over(state, rank=rank, world_size=3, seed=7, samples_per_micro_step=12, micro_batch_size=4, saved_micro_batch=4)
+            carry_over(
+                state,
+                rank=rank,
+                world_size=3,
+                seed=7,
+                samples_per_micro_step=12,
+                micro_batch_size=4,
+                saved_micro_batch=4,
+            )
         logs.append([record.getMessage() for record in caplog.records if record.name == "astrai.checkpointing"])
         caplog.clear()
         drawn = draws()
@@ -293,27 +330,42 @@ def test_a_changed_world_size_logs_both_rules_once_and_reseeds(caplog):
         "36 samples consumed)"
     )
     assert rng.startswith("RNG reseeded per rank from (seed, step, rank): world size changed (2 -> 3) (rule:")
-    assert f"python random, numpy and torch of rank r seeded with seed*7919 + step*31 + r = {7 * 7919 + 4 * 31} + r" in rng
+    assert (
+        f"python random, numpy and torch of rank r seeded with seed*7919 + step*31 + r = {7 * 7919 + 4 * 31} + r" in rng
+    )
 
 
 def test_a_changed_micro_batch_on_the_same_world_size_restores_rng_and_says_so(caplog):
-    from astrai.checkpointing import carry_over, capture_rng, restore_rng
+    from astrai.checkpointing import capture_rng, carry_over, restore_rng
 
     saved = capture_rng()
     expected = draws()
     state = state_saved_on(2, consumed=36)
     state.rng = [capture_rng(), saved]
     with caplog.at_level("INFO", logger="astrai"):
-        carry_over(state, rank=1, world_size=2, seed=7, samples_per_micro_step=16, micro_batch_size=8, saved_micro_batch=4)
+        carry_over(
+            state, rank=1, world_size=2, seed=7, samples_per_micro_step=16, micro_batch_size=8, saved_micro_batch=4
+        )
     assert draws() == expected  # rank 1 continues its own saved stream
     assert state.consumed_samples == 48
-    assert caplog.messages == ["data position: 36 samples consumed is not a multiple of this run's global micro-batch of 16: continuing from sample 48 (12 samples skipped)"]
+    assert caplog.messages == [
+        "data position: 36 samples consumed is not a multiple of this run's global micro-batch of 16: continuing from sample 48 (12 samples skipped)"
+    ]
     caplog.clear()
     restore_rng(saved)
     with caplog.at_level("INFO", logger="astrai"):
-        carry_over(state_saved_on(2, consumed=32), rank=0, world_size=2, seed=7, samples_per_micro_step=16, micro_batch_size=8, saved_micro_batch=4)
+        carry_over(
+            state_saved_on(2, consumed=32),
+            rank=0,
+            world_size=2,
+            seed=7,
+            samples_per_micro_step=16,
+            micro_batch_size=8,
+            saved_micro_batch=4,
+        )
     assert [message.split(" (rule")[0] for message in caplog.messages] == [
-        "data position: continuing from global sample count 32", "RNG: each rank's saved state restored",
+        "data position: continuing from global sample count 32",
+        "RNG: each rank's saved state restored",
     ]
 
 
@@ -321,7 +373,15 @@ def test_an_unchanged_topology_logs_no_rule(caplog):
     from astrai.checkpointing import carry_over
 
     with caplog.at_level("INFO", logger="astrai"):
-        carry_over(state_saved_on(2, consumed=32), rank=0, world_size=2, seed=7, samples_per_micro_step=8, micro_batch_size=4, saved_micro_batch=4)
+        carry_over(
+            state_saved_on(2, consumed=32),
+            rank=0,
+            world_size=2,
+            seed=7,
+            samples_per_micro_step=8,
+            micro_batch_size=4,
+            saved_micro_batch=4,
+        )
     assert caplog.messages == []
 
 

@@ -69,7 +69,9 @@ def load_job_file(path: str | Path) -> dict:
     except yaml.YAMLError as error:
         raise JobFileError(f"{path}: not valid YAML: {error}") from None
     if not isinstance(document, dict):
-        raise JobFileError(f"{path}: the job file must be a mapping of sections (output_dir, model, data, train, infra, ...)")
+        raise JobFileError(
+            f"{path}: the job file must be a mapping of sections (output_dir, model, data, train, infra, ...)"
+        )
     return document
 
 
@@ -119,7 +121,8 @@ def parse_gpu(infra: dict, source: Path | str) -> tuple[list[int] | str | None, 
     devices = gpu.get("devices")
     if devices is not None and devices != "all":
         valid = (
-            isinstance(devices, list) and devices
+            isinstance(devices, list)
+            and devices
             and all(isinstance(index, int) and not isinstance(index, bool) and index >= 0 for index in devices)
             and len(set(devices)) == len(devices)
         )
@@ -132,7 +135,9 @@ def parse_gpu(infra: dict, source: Path | str) -> tuple[list[int] | str | None, 
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise JobFileError(f"{source}: infra.gpu.count: expected a positive integer, got {count!r}")
         if isinstance(devices, list) and count > len(devices):
-            raise JobFileError(f"{source}: infra.gpu.count: {count} ranks but infra.gpu.devices lists only {len(devices)} GPUs")
+            raise JobFileError(
+                f"{source}: infra.gpu.count: {count} ranks but infra.gpu.devices lists only {len(devices)} GPUs"
+            )
     return devices, count
 
 
