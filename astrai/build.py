@@ -26,6 +26,7 @@ from astrai.engine import (
     zero3_loading,
 )
 from astrai.models.checkpoint_weights import load_checkpoint_weights
+from astrai.models.lora import apply_lora, base_model_identity, critic_base_identity
 from astrai.models.policy import build_policy
 from astrai.models.tokenizer import (
     TOKENIZER_DIR,
@@ -168,6 +169,10 @@ def build_critic(job: JobConfig, dist: DistInfo, source: str, tokenizer, steps: 
     )
     with zero3_loading(ds_config, job.model.zero3_init and (critic.path or job.model.path) is not None):
         model = build_value_model(job.model, tokenizer, train.seed, critic.path)
+    if critic.lora is not None:  # the value head stays fully trainable
+        model = apply_lora(
+            model, critic.lora, critic_base_identity(job, model), key="critic.lora", keep_trainable=("value_head",)
+        )
     warmup = critic.warmup_steps if critic.warmup_steps is not None else warmup_steps(job, steps)
     schedule = lr_lambda(steps * updates, warmup * updates, critic.lr_schedule or train.lr_schedule, train.min_lr_ratio)
     weight_decay = critic.weight_decay if critic.weight_decay is not None else train.weight_decay
@@ -187,6 +192,8 @@ def build_policy_model(job: JobConfig, ds_config: dict, tokenizer):
             "start fresh",
             checkpoint,
         )
+    if job.model.lora is not None:
+        model = apply_lora(model, job.model.lora, base_model_identity(job.model, job.train.seed, model))
     return model
 
 

@@ -147,7 +147,19 @@ class Engine:
         names = self._parameter_names_by_group() if self.zero_stage == 0 else None
         client_state = {PARAMETER_NAMES_KEY: names} if names else {}
         with streamed_writes(self._engine, open_file):
-            self._engine.save_checkpoint(str(folder), tag=DS_TAG, client_state=client_state, save_latest=False)
+            self._engine.save_checkpoint(
+                str(folder),
+                tag=DS_TAG,
+                client_state=client_state,
+                save_latest=False,
+                exclude_frozen_parameters=self.has_frozen_parameters,
+            )
+
+    @property
+    def has_frozen_parameters(self) -> bool:
+        """A LoRA model's frozen base: rebuilt from its source at every start, so neither saved nor expected
+        when loading (checkpoints hold the trainable parameters and their optimizer state only)."""
+        return any(not parameter.requires_grad for parameter in self.module.parameters())
 
     def _parameter_names_by_group(self) -> list[list[str]] | None:
         """Names of the module's parameters per optimizer group, in the optimizer's order (ZeRO-0)."""
@@ -168,7 +180,11 @@ class Engine:
         tag = DS_TAG if (Path(folder) / DS_TAG).is_dir() else None  # None: a plain DeepSpeed dir with `latest`
         with trusted_loads(self._engine, inspect=self._check_recorded_shapes):
             path, _ = self._engine.load_checkpoint(
-                str(folder), tag=tag, load_optimizer_states=with_optimizer, load_lr_scheduler_states=with_optimizer
+                str(folder),
+                tag=tag,
+                load_optimizer_states=with_optimizer,
+                load_lr_scheduler_states=with_optimizer,
+                load_module_strict=not self.has_frozen_parameters,
             )
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint found in {folder}")
