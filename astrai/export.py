@@ -438,9 +438,11 @@ def export_checkpoint(
     max_shard_size: str | int = "5GB",
     tokenizer_dir: str | Path | None = None,
     progress: bool | None = None,
+    adapter: bool = False,
 ) -> Path:
     """Export one checkpoint's `part` as a Hugging Face folder at `destination`; returns its path.
-    `progress`: show the progress bar (None: when stderr is a terminal or the model is large)."""
+    `progress`: show the progress bar (None: when stderr is a terminal or the model is large).
+    A LoRA run's part is merged into its base (astrai/export_lora.py); `adapter`: PEFT's adapter folder instead."""
     if dtype not in DTYPES:
         raise ExportError(f"--dtype: unknown dtype {dtype!r} (use one of {', '.join(DTYPES)})")
     checkpoint, destination = Path(checkpoint_dir), Path(destination)
@@ -448,6 +450,12 @@ def export_checkpoint(
     check_destination(destination, overwrite)  # fail before the slow part
     job = load_checkpoint_job(checkpoint)
     tokenizer = load_export_tokenizer(job, checkpoint, tokenizer_dir)
+    from astrai.export_lora import lora_record
+
+    if (lora := lora_record(checkpoint, part, adapter)) is not None:
+        return export_lora_part(
+            job, tokenizer, checkpoint, destination, part, lora, adapter, dtype, overwrite, max_shard_size
+        )
     model = critic_skeleton(job, tokenizer) if part == "critic" else build_skeleton(job, tokenizer)
     bar = progress_bar(model, progress)
     try:
@@ -464,6 +472,19 @@ def export_checkpoint(
     finally:
         bar.close()
     logger.info("exported %s (%s, %s) to %s", checkpoint, part, dtype, destination)
+    return destination
+
+
+def export_lora_part(job, tokenizer, checkpoint, destination, part, lora, adapter, dtype, overwrite, max_shard_size):
+    """A LoRA part: its base rebuilt, the adapter merged into it (or, `adapter`, PEFT's adapter folder)."""
+    from astrai.export_lora import lora_export_model
+
+    model = lora_export_model(job, tokenizer, checkpoint, part, lora, adapter=adapter, dtype=DTYPES[dtype])
+    if part == "policy" and not adapter:
+        set_generation_config(model, tokenizer, job)
+    write_export(model, tokenizer, destination, overwrite, max_shard_size, progress_bar(model, False))
+    kind = "PEFT adapter" if adapter else "LoRA merged into its base"
+    logger.info("exported %s (%s, %s, %s) to %s", checkpoint, part, kind, dtype, destination)
     return destination
 
 
@@ -514,6 +535,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB (default 5GB)"
     )
     parser.add_argument("--tokenizer-dir", default=None, help="tokenizer folder (default: the run's own)")
+    parser.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a LoRA run: write PEFT's adapter folder (PeftModel.from_pretrained) instead of the merged model",
+    )
     return parser.parse_args(argv)
 
 
@@ -539,6 +565,7 @@ def export_main(argv: list[str]) -> int:
                 overwrite=args.overwrite,
                 max_shard_size=args.max_shard_size,
                 tokenizer_dir=args.tokenizer_dir,
+                adapter=args.adapter,
             )
     except (AstraiError, OSError, ValueError) as error:  # the checkpoint's, the tokenizer's, the model's
         message = " ".join(str(error).split())  # one line, whatever the wrapped error looked like

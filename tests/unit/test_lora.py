@@ -201,3 +201,44 @@ def test_unmatched_target_modules_fail_before_any_rank_lists_linear_names(folder
     assert "model.lora.target_modules: ['qkv'] match no linear module" in message
     assert "q_proj" in message and "down_proj" in message and "lm_head" in message
     assert "\n" not in message
+
+
+def test_export_merged_and_adapter_give_the_adapted_logits(one_rank, folder, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from astrai.export import ExportError, export_checkpoint
+
+    run = make_run(one_rank, folder, "export_lora", stage=1)
+    TRAIN_LOOPS[run.strategy.loop](run)
+    checkpoint = run.output_dir / "checkpoints" / "step_00000003"
+    ids = torch.tensor([run.dataset[0]["input_ids"]])
+    with torch.no_grad():
+        adapted = run.engines["policy"].module.eval()(input_ids=ids).logits
+        base_logits = load_causal_lm(folder / "base")(input_ids=ids).logits
+    assert (adapted - base_logits).abs().max() > 1e-3  # the adapter changed the model: the checks below mean something
+
+    merged_folder = export_checkpoint(checkpoint, tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(merged_folder)
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapted, atol=1e-4, rtol=0)
+
+    adapter_folder = export_checkpoint(checkpoint, tmp_path / "adapter", adapter=True)
+    assert (adapter_folder / "adapter_config.json").is_file()
+    assert not list(adapter_folder.glob("model*.safetensors"))  # the adapter alone, no base weights
+    loaded = PeftModel.from_pretrained(load_causal_lm(folder / "base"), adapter_folder).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, adapted, atol=1e-4, rtol=0)
+
+    full = make_run(one_rank, folder, "export_full", "model.lora=null")
+    TRAIN_LOOPS[full.strategy.loop](full)
+    with pytest.raises(ExportError, match="has no LoRA adapter .*export it without --adapter"):
+        export_checkpoint(full.output_dir / "checkpoints" / "step_00000003", tmp_path / "refused", adapter=True)
+    assert not (tmp_path / "refused").exists()
+
+
+def test_export_cli_takes_adapter():
+    from astrai.export import parse_args
+
+    assert parse_args(["ckpt", "dest", "--adapter"]).adapter and not parse_args(["ckpt", "dest"]).adapter

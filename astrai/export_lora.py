@@ -1,0 +1,117 @@
+"""Export of a LoRA run's checkpoint (astrai/export.py hands it over when the manifest records an adapter).
+
+The checkpoint holds the adapter only, so its base is rebuilt from the job (`model.path`, or `model.init`
+with the run's seed; a critic from `critic.path` or the policy's start), checked against the base the
+manifest names, wrapped with the run's LoRA settings and given the adapter's weights. Then either
+`merge_and_unload` (default: a plain transformers folder, the adapter folded into the weights) or, with
+`--adapter`, PEFT's own adapter folder (`adapter_config.json` + `adapter_model.safetensors`), which
+`PeftModel.from_pretrained(base, folder)` loads.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from astrai.export import ExportError, part_weights
+from astrai.models.lora import (
+    LoraError,
+    apply_lora,
+    base_model_identity,
+    check_same_base,
+    critic_base_identity,
+)
+
+logger = logging.getLogger("astrai.export")
+
+
+def lora_record(checkpoint: Path, part: str, adapter: bool) -> dict | None:
+    """The manifest's LoRA record of `part` ({"base", "settings"}), or None for a full fine-tuning part;
+    `--adapter` of a part without an adapter is refused, saying so."""
+    from astrai.checkpoint import read_manifest
+
+    try:
+        manifest = read_manifest(checkpoint)
+    except Exception:  # a damaged manifest was reported by the verification already, or --no-verify
+        manifest = None
+    record = ((manifest.meta.get("lora") or {}) if manifest is not None else {}).get(part)
+    if adapter and record is None:
+        raise ExportError(
+            f"--adapter: the {part} of {checkpoint} has no LoRA adapter (its run trained every weight, without "
+            f"{'model' if part == 'policy' else 'critic'}.lora): export it without --adapter"
+        )
+    if adapter and part == "critic":
+        raise ExportError("--adapter: a critic's adapter has no PEFT base class to load it into; export it merged")
+    return record
+
+
+class AdapterFolder:
+    """What `write_export` saves for `--adapter`: PEFT's adapter folder (no shards of the base)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def save_pretrained(self, folder, max_shard_size=None) -> None:
+        self.model.save_pretrained(str(folder))
+
+
+def base_model(job, tokenizer, part: str) -> tuple[torch.nn.Module, dict]:
+    """The part's base model with real weights (fp32, plain: no engine) and its identity."""
+    from astrai.models.checkpoint_weights import load_checkpoint_weights
+    from astrai.models.policy import ModelError, build_policy
+    from astrai.models.value import build_value_model
+
+    # Training-only switches off: the exported config keeps the architecture's own dropout values.
+    update = {"gradient_checkpointing": False, "attn_implementation": None, "disable_dropout": False, "lora": None}
+    model_config = job.model.model_copy(update=update)
+    try:
+        with torch.random.fork_rng(devices=[]):  # build_policy seeds torch: the caller's RNG stays as it was
+            if part == "critic":
+                model = build_value_model(model_config, tokenizer, job.train.seed, job.critic.path)
+                return model, critic_base_identity(job, model)
+            model = build_policy(model_config, tokenizer, job.train.seed)
+            if model_config.init_from_checkpoint is not None:
+                load_checkpoint_weights(model, model_config.init_from_checkpoint)
+    except (ModelError, OSError, ValueError) as error:
+        raise ExportError(f"cannot rebuild the base model of the job: {error}") from None
+    return model, base_model_identity(model_config, job.train.seed, model)
+
+
+def lora_export_model(job, tokenizer, checkpoint: Path, part: str, record: dict, *, adapter: bool, dtype):
+    """The model `write_export` saves: the merged part, or (`adapter`) the adapter folder."""
+    from astrai.config.schema import LoraSection
+
+    model, identity = base_model(job, tokenizer, part)
+    try:
+        check_same_base({part: record}, {part: {"base": identity}}, checkpoint)
+    except LoraError as error:
+        raise ExportError(str(error)) from None
+    settings = LoraSection(**record["settings"])
+    keep = ("value_head",) if part == "critic" else ()
+    wrapped = apply_lora(model, settings, identity, key=f"{part} adapter", keep_trainable=keep)
+    try:
+        state = part_weights(checkpoint / part)
+    except (OSError, ValueError, KeyError) as error:
+        raise ExportError(f"cannot read the DeepSpeed weights in {checkpoint / part}: {error}") from None
+    trainable = {name for name, parameter in wrapped.named_parameters() if parameter.requires_grad}
+    missing, unexpected = sorted(trainable - set(state)), sorted(set(state) - trainable)
+    if missing or unexpected:
+        raise ExportError(
+            f"{checkpoint / part}: the adapter's weights do not fit the job's LoRA model: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}"
+        )
+    wrapped.load_state_dict(state, strict=False)
+    if adapter:
+        wrapped.to(dtype)
+        return AdapterFolder(wrapped)
+    merged = wrapped.merge_and_unload()
+    merged.to(dtype)
+    merged.config.dtype = dtype
+    if hasattr(merged.config, "use_cache"):
+        merged.config.use_cache = True
+    return merged
