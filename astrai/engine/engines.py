@@ -146,7 +146,7 @@ class Engine:
         the path itself (`streamed_writes`; the publisher's `StreamedFiles.open`)."""
         names = self._parameter_names_by_group() if self.zero_stage == 0 else None
         client_state = {PARAMETER_NAMES_KEY: names} if names else {}
-        with streamed_writes(self._engine, open_file):
+        with streamed_writes(self._engine, open_file), self._only_trainable_module_state():
             self._engine.save_checkpoint(
                 str(folder),
                 tag=DS_TAG,
@@ -154,6 +154,30 @@ class Engine:
                 save_latest=False,
                 exclude_frozen_parameters=self.has_frozen_parameters,
             )
+
+    @contextlib.contextmanager
+    def _only_trainable_module_state(self):
+        """With frozen parameters, the module state DeepSpeed saves keeps the trainable parameters only.
+        Its `exclude_frozen_parameters` drops frozen names but not their tied aliases (a tied lm_head.weight
+        would carry the whole embedding matrix into every ZeRO-0/1/2 checkpoint), nor buffers of the base."""
+        if not self.has_frozen_parameters:
+            yield
+            return
+        engine, original = self._engine, self._engine.module_state_dict
+        named = self.module.named_parameters(remove_duplicate=False)
+        trainable = {name for name, parameter in named if parameter.requires_grad}
+
+        def trainable_state(*args, **kwargs):
+            state = original(*args, **kwargs)
+            for name in [name for name in state if name not in trainable]:
+                del state[name]
+            return state
+
+        engine.module_state_dict = trainable_state  # an instance attribute: DeepSpeed's class stays as it is
+        try:
+            yield
+        finally:
+            del engine.module_state_dict
 
     @property
     def has_frozen_parameters(self) -> bool:

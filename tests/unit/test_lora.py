@@ -40,6 +40,7 @@ TINY = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     max_position_embeddings=64,
+    tie_word_embeddings=True,  # a tied lm_head is an alias of a frozen weight: never saved by a LoRA run
 )
 
 
@@ -135,6 +136,8 @@ def test_only_the_adapter_trains_and_is_checkpointed(one_rank, folder, stage):
     # size (ZeRO-3's empty placeholders aside), nothing of the size of the base model.
     saved_elements = sum(tensor_elements(load_tensor_file(file)) for file in (checkpoint / "policy").rglob("*.pt"))
     assert 3 * trainable_elements <= saved_elements <= 4 * trainable_elements + 64 < total
+    for file in (checkpoint / "policy").rglob("*model_states.pt"):  # no frozen weight, nor a tied alias of one
+        assert set(load_tensor_file(file)["module"]) <= trainable, file
     meta = json.loads((checkpoint / "manifest.json").read_text())["meta"]
     base = meta["lora"]["policy"]["base"]
     assert base["path"] == str((folder / "base").resolve()) and len(base["hash"]) == 64
