@@ -153,3 +153,14 @@ def test_step_overhead_smoke(tmp_path):
     assert {row["baseline"] for row in result["ratios"]} == {"deepspeed", "torch"}
     assert result["zero_stage"] == 0  # AstrAI runs a one-rank ZeRO-2 job as ZeRO-0, and the baseline matches it
     assert all(result["tokens_per_s"][name]["median"] > 0 for name in ("astrai", "astrai+log", "deepspeed", "torch"))
+
+
+@pytest.mark.slow
+def test_lora_vs_full_smoke(tmp_path):
+    result = run_benchmark(
+        "lora_vs_full.py", tmp_path, "--size", "tiny", "--seq-len", "32", "--steps", "2", "--warmup", "1"
+    )
+    assert {run["variant"] for run in result["runs"]} == {"full", "lora"}
+    assert result["summary"]["lora"]["trainable"] < result["summary"]["full"]["trainable"]
+    assert result["summary"]["lora"]["optimizer_bytes"] < result["summary"]["full"]["optimizer_bytes"]
+    assert set(result["met"]) == {"checkpoint", "peak_rss", "tokens_per_s"}
