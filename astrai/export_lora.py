@@ -115,3 +115,17 @@ def lora_export_model(job, tokenizer, checkpoint: Path, part: str, record: dict,
     if hasattr(merged.config, "use_cache"):
         merged.config.use_cache = True
     return merged
+
+
+def merged_policy_weights(checkpoint: Path) -> dict[str, torch.Tensor] | None:
+    """A LoRA checkpoint's policy as full fp32 weights (its base with the adapter merged), for
+    `model.init_from_checkpoint`; None for a full fine-tuning checkpoint (its own weights serve)."""
+    from astrai.export import load_checkpoint_job, load_export_tokenizer
+
+    record = lora_record(checkpoint, "policy", adapter=False)
+    if record is None:
+        return None
+    job = load_checkpoint_job(checkpoint)
+    tokenizer = load_export_tokenizer(job, checkpoint, None)
+    model = lora_export_model(job, tokenizer, checkpoint, "policy", record, adapter=False, dtype=torch.float32)
+    return dict(model.state_dict())

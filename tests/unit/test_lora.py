@@ -234,6 +234,11 @@ def test_export_merged_and_adapter_give_the_adapted_logits(one_rank, folder, tmp
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, adapted, atol=1e-4, rtol=0)
 
+    # A new run starting from the LoRA checkpoint (e.g. grpo after a LoRA sft) starts from the merged weights.
+    started = make_run(one_rank, folder, "from_lora", "model.lora=null", f"model.init_from_checkpoint={checkpoint}")
+    with torch.no_grad():
+        torch.testing.assert_close(started.engines["policy"].module(input_ids=ids).logits, adapted, atol=1e-4, rtol=0)
+
     full = make_run(one_rank, folder, "export_full", "model.lora=null")
     TRAIN_LOOPS[full.strategy.loop](full)
     with pytest.raises(ExportError, match="has no LoRA adapter .*export it without --adapter"):
