@@ -4,7 +4,8 @@ the policy with its adapter disabled.
 
 Two launches: 2 ranks (a short SFT exported as the base, then every LoRA job from that export) and 1 rank
 (the world-size change, from a 2-rank checkpoint). Exact resume: the split run's steps 5-8 must equal the
-straight run's exactly (same ranks, same stage: same arithmetic). Topology changes: 1e-5 relative, as
+straight run's exactly (same ranks, same stage: same arithmetic; a constant LR, since the split's first
+half is a run of 4 steps whose schedule would otherwise end at step 4). Topology changes: 1e-5 relative, as
 tests/integration/test_topology_ranks.py (reduction order differs; losing the Adam moments would move
 step 6 by ~1e-2).
 """
@@ -27,8 +28,8 @@ SFT_JOB = f"""\
 output_dir: {{folder}}/{{name}}
 model: {{{{path: {{folder}}/sft_hf, {LORA}}}}}
 data: {{{{path: {{folder}}/{{data}}, max_seq_len: 32}}}}
-train: {{{{train_type: {{train_type}}, max_steps: 8, micro_batch_size: 4, lr: 1e-2, lr_schedule: linear,
-         warmup_steps: 3, seed: 7}}}}
+train: {{{{train_type: {{train_type}}, max_steps: 8, micro_batch_size: 4, lr: 1e-2, lr_schedule: constant,
+         warmup_steps: 0, seed: 7}}}}
 deepspeed: {{{{zero_stage: 2}}}}
 checkpoint: {{{{every_steps: 4}}}}
 runtime: {{{{progress_bar: false, tensorboard: false}}}}
