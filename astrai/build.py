@@ -169,10 +169,9 @@ def build_critic(job: JobConfig, dist: DistInfo, source: str, tokenizer, steps: 
     )
     with zero3_loading(ds_config, job.model.zero3_init and (critic.path or job.model.path) is not None):
         model = build_value_model(job.model, tokenizer, train.seed, critic.path)
-    if critic.lora is not None:  # the value head stays fully trainable
-        model = apply_lora(
-            model, critic.lora, critic_base_identity(job, model), key="critic.lora", keep_trainable=("value_head",)
-        )
+        if critic.lora is not None:  # inside: PEFT gathers partitioned weights it reads; the value head still trains
+            identity = critic_base_identity(job, model)
+            model = apply_lora(model, critic.lora, identity, key="critic.lora", keep_trainable=("value_head",))
     warmup = critic.warmup_steps if critic.warmup_steps is not None else warmup_steps(job, steps)
     schedule = lr_lambda(steps * updates, warmup * updates, critic.lr_schedule or train.lr_schedule, train.min_lr_ratio)
     weight_decay = critic.weight_decay if critic.weight_decay is not None else train.weight_decay
@@ -183,7 +182,8 @@ def build_policy_model(job: JobConfig, ds_config: dict, tokenizer):
     """The policy module before its engine: `model.init` / `model.path`, then `model.init_from_checkpoint`'s
     weights when set (loaded whole on every rank, so not partitioned while loading under ZeRO-3)."""
     start = job.model.init_from_checkpoint
-    with zero3_loading(ds_config, job.model.zero3_init and job.model.path is not None and start is None):
+    partitioned = job.model.zero3_init and job.model.path is not None and start is None
+    with zero3_loading(ds_config, partitioned):
         model = build_policy(job.model, tokenizer, job.train.seed)
     if start is not None:
         checkpoint = load_checkpoint_weights(model, start, tokenizer)
@@ -193,7 +193,9 @@ def build_policy_model(job: JobConfig, ds_config: dict, tokenizer):
             checkpoint,
         )
     if job.model.lora is not None:
-        model = apply_lora(model, job.model.lora, base_model_identity(job.model, job.train.seed, model))
+        identity = base_model_identity(job.model, job.train.seed, model)
+        with zero3_loading(ds_config, partitioned):  # PEFT gathers the partitioned weights it reads (DoRA's norms)
+            model = apply_lora(model, job.model.lora, identity)
     return model
 
 

@@ -250,3 +250,35 @@ def test_export_cli_takes_adapter():
     from astrai.export import parse_args
 
     assert parse_args(["ckpt", "dest", "--adapter"]).adapter and not parse_args(["ckpt", "dest"]).adapter
+
+
+@pytest.mark.parametrize(
+    "stage, settings",
+    [
+        (3, ["model.lora.use_dora=true"]),
+        (2, ["model.lora.modules_to_save=[lm_head]", "model.lora.use_rslora=true"]),
+        (0, ["model.gradient_checkpointing=true"]),
+    ],
+)
+def test_lora_options_train_and_export_merged(one_rank, folder, tmp_path, stage, settings):
+    """DoRA under ZeRO-3, a fully trained lm_head beside the adapter, rank-stabilised scaling, gradient
+    checkpointing: each trains 3 steps and its merged export computes what the adapted policy computes."""
+    from transformers import AutoModelForCausalLM
+
+    from astrai.export import export_checkpoint
+
+    name = f"options_z{stage}"
+    run = make_run(one_rank, folder, name, *settings, stage=stage)
+    engine = run.engines["policy"]
+    trainable = [name for name, p in engine.module.named_parameters() if p.requires_grad]
+    if "model.lora.modules_to_save=[lm_head]" in settings:
+        assert any("lm_head.modules_to_save" in name for name in trainable)
+    assert TRAIN_LOOPS[run.strategy.loop](run).step == 3
+    ids = torch.tensor([run.dataset[0]["input_ids"]])
+    with engine.gathered_parameters(), torch.no_grad():
+        adapted = engine.module.eval()(input_ids=ids).logits
+    merged = AutoModelForCausalLM.from_pretrained(
+        export_checkpoint(run.output_dir / "checkpoints" / "step_00000003", tmp_path / name)
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, adapted, atol=1e-4, rtol=0)
