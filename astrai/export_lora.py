@@ -30,11 +30,11 @@ logger = logging.getLogger("astrai.export")
 def lora_record(checkpoint: Path, part: str, adapter: bool) -> dict | None:
     """The manifest's LoRA record of `part` ({"base", "settings"}), or None for a full fine-tuning part;
     `--adapter` of a part without an adapter is refused, saying so."""
-    from astrai.checkpoint import read_manifest
+    from astrai.checkpoint import CheckpointError, read_manifest
 
     try:
         manifest = read_manifest(checkpoint)
-    except Exception:  # a damaged manifest was reported by the verification already, or --no-verify
+    except CheckpointError:  # unreadable: the verification reported it already, or --no-verify asked to go on
         manifest = None
     record = ((manifest.meta.get("lora") or {}) if manifest is not None else {}).get(part)
     if adapter and record is None:
