@@ -230,7 +230,7 @@ def prepare_state(state: dict[str, torch.Tensor], model, dtype: torch.dtype) -> 
 def part_weights(folder: Path) -> dict[str, torch.Tensor]:
     """Full fp32 weights of one part: a portable form's fp32.safetensors as is (`python -m astrai
     convert`, or a resume on another topology), else DeepSpeed's own consolidation of its shards."""
-    from astrai.portable import INFO_FILE
+    from astrai.resume.portable import INFO_FILE
 
     if (folder / INFO_FILE).is_file():
         from safetensors.torch import load_file
