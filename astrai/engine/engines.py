@@ -188,7 +188,7 @@ class Engine:
         """Set weights, Adam moments and step, LR schedule and step counters from full (unpartitioned)
         fp32 tensors, whatever this engine's ZeRO stage and world size: the load side of a topology change.
 
-        `source` (a `portable.PortablePart`): `.names` (trainable parameters), `.tensor(key, name)` the
+        `source` (a `resume.portable.PortablePart`): `.names` (trainable parameters), `.tensor(key, name)` the
         full fp32 tensor of `key` ("fp32", "exp_avg", "exp_avg_sq") shaped like the parameter, and `.info`
         (`optimizer_step`, `lr_scheduler` state, `global_steps`, `global_samples`, `skipped_steps`).
         Every rank calls it. DeepSpeed's universal loader is a ZeRO-optimizer feature (nothing loads into
