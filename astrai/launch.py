@@ -54,6 +54,7 @@ from typing import Any
 from astrai.config import ConfigError
 from astrai.preflight import LAUNCHER_VARIABLE, render_environment
 from astrai.run_lock import in_use_message, live_holder
+from astrai.safe_write import write_file_atomic
 
 ASTRAI_FOLDER = Path(__file__).resolve().parent
 HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")  # DeepSpeed's own hostfile grammar (runner._parse_hostfile)
@@ -395,9 +396,7 @@ def write_launch_files(plan: LaunchPlan) -> None:
     """Atomically: with no_ssh every node writes the same files, maybe into one shared folder at once."""
     plan.hostfile.parent.mkdir(parents=True, exist_ok=True)
     for path, text in ((plan.hostfile, plan.hostfile_text), (plan.env_file, plan.env_file_text)):
-        temporary = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
-        temporary.write_text(text)
-        os.replace(temporary, path)
+        write_file_atomic(path, text)
 
 
 def run(plan: LaunchPlan) -> int:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from astrai.errors import AstraiError
+from astrai.safe_write import write_file_atomic
 
 logger = logging.getLogger("astrai.preflight")
 
@@ -256,9 +257,7 @@ def write_rank_report(job, dist=None) -> dict[str, Any]:
 
 
 def _write_json(path: Path, value: Any) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
-    os.replace(temporary, path)
+    write_file_atomic(path, json.dumps(value, indent=2, sort_keys=True) + "\n")
 
 
 def _node_key(facts: Mapping[str, Any]) -> tuple:

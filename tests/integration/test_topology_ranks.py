@@ -42,7 +42,7 @@ def convert_tool(checkpoint, *extra, kill_mid_write=False) -> subprocess.Complet
     """`python -m astrai convert`; with kill_mid_write the process SIGKILLs itself once the first file is written."""
     if kill_mid_write:
         code = (
-            "import os, signal, sys; from astrai import portable, topology\n"
+            "import os, signal, sys; from astrai.resume import portable, topology\n"
             "real = portable.save_file\n"
             "def die(tensors, path):\n    real(tensors, path); os.kill(os.getpid(), signal.SIGKILL)\n"
             f"portable.save_file = die; sys.exit(topology.convert_main([{str(checkpoint)!r}]))\n"

@@ -84,7 +84,7 @@ def train(config: str, dist, *overrides: str):
 
 def resume(job: dict, dist, *overrides: str):
     """What a resume of the copied job loads: (TrainerState, the run)."""
-    from astrai.checkpointing import TrainingCheckpoints
+    from astrai.resume.checkpointing import TrainingCheckpoints
 
     run = build(job["config"], dist, job["data"], *SETTINGS, f"output_dir={job['output_dir']}", *overrides)
     return TrainingCheckpoints(run).resume(), run

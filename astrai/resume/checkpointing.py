@@ -38,8 +38,8 @@ from astrai.engine import CheckpointDamagedError, UnsafeCheckpointError, all_gat
 from astrai.launcher_watch import leave_if_orphaned
 from astrai.metrics import METRICS_FILE, trim_metrics
 from astrai.models.tokenizer import TOKENIZER_DIR, check_saved_tokenizer
+from astrai.resume.topology import continue_position, load_portable_part, resume_source
 from astrai.rng_state import capture_rng, decode_rng, restore_rng
-from astrai.topology import continue_position, load_portable_part, resume_source
 
 logger = logging.getLogger("astrai.checkpointing")
 

@@ -3,7 +3,7 @@
 DeepSpeed's shard files only load into the world size and ZeRO stage that wrote them. A checkpoint's
 manifest records that topology (`meta`: `world_size`, `zero_stage` and `precision` per engine);
 when the resuming run differs, the checkpoint is converted once into the portable form
-(`astrai/portable.py`: full fp32 weights and Adam moments per engine, no partitions), published
+(`astrai/resume/portable.py`: full fp32 weights and Adam moments per engine, no partitions), published
 through the checkpoint publisher next to the original:
 
 ```
@@ -124,7 +124,7 @@ def reusable(destination: Path, digest: str, *, digests: bool) -> bool:
 def _write_portable(checkpoint: Path, staging: Path, parts: list[str]) -> None:
     """Rank 0's write: each engine part converted, every other file or folder copied as it is."""
     from astrai.engine import DS_TAG
-    from astrai.portable import write_portable_part
+    from astrai.resume.portable import write_portable_part
 
     for entry in sorted(checkpoint.iterdir()):
         if entry.name in parts or entry.name == MANIFEST_NAME:
@@ -207,7 +207,7 @@ def resume_source(run, path: Path, manifest) -> Path | None:
 
 def load_portable_part(engine, folder: Path) -> None:
     """Load one engine from a portable part folder (every rank)."""
-    from astrai.portable import PortableError, PortablePart
+    from astrai.resume.portable import PortableError, PortablePart
 
     try:
         engine.load_full_state(PortablePart(folder))

@@ -1,13 +1,8 @@
-"""The portable form of one engine's checkpoint: full (unpartitioned) fp32 state, no topology.
+"""DeepSpeed's side of the portable form (astrai/resume/portable.py: full fp32 state, no topology).
 
-```
-<part>/fp32.safetensors        every trainable parameter, full shape, fp32 (the master weights)
-<part>/exp_avg.safetensors     Adam's first moment, same names and shapes
-<part>/exp_avg_sq.safetensors  Adam's second moment
-<part>/portable.json           names (optimizer order), optimizer step, LR-schedule state, step counters
-```
-`write_portable_part` reads it from DeepSpeed's own files (any ZeRO stage, any number of ranks);
-`fill_*` set it into a live engine's layout (called by `Engine.load_full_state`).
+`read_deepspeed_state` reads one engine's DeepSpeed checkpoint (any ZeRO stage, any number of
+ranks) as full tensors; `fill_*` set full tensors into a live engine's layout (called by
+`Engine.load_full_state`). They live in engine/ because only engine/ knows DeepSpeed.
 
 Why not DeepSpeed's universal checkpoint as is: `ds_to_universal` needs ZeRO optimizer shards, so
 it cannot read ZeRO-0 checkpoints, and loading a universal checkpoint is a ZeRO-optimizer feature,
@@ -26,46 +21,25 @@ import argparse
 import contextlib
 import io
 import itertools
-import json
 import logging
 import shutil
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from astrai.checkpoint import CheckpointError
-from astrai.engine import PARAMETER_NAMES_KEY, load_tensor_file, weights_only_torch_load
+from astrai.engine.engines import PARAMETER_NAMES_KEY
+from astrai.engine.safe_load import load_tensor_file, weights_only_torch_load
 from astrai.errors import AstraiError
 
 logger = logging.getLogger("astrai.portable")
 
-PART_FORMAT = "astrai-portable-part"
-PART_VERSION = 1
-INFO_FILE = "portable.json"
 STATE_KEYS = ("fp32", "exp_avg", "exp_avg_sq")
 MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
 
 
 class PortableError(AstraiError, ValueError):
     """A DeepSpeed folder that cannot be read into the portable form, or a bad portable part."""
-
-
-@dataclass
-class PartInfo:
-    """portable.json: what is not a tensor. `names` in optimizer order; counters as DeepSpeed's engine has them."""
-
-    names: list[str]
-    optimizer_step: int
-    lr_scheduler: dict | None
-    global_steps: int
-    global_samples: int
-    skipped_steps: int
-    source_zero_stage: int
-    format: str = PART_FORMAT
-    version: int = PART_VERSION
 
 
 def shard_folder(engine_folder: Path, tag: str) -> Path:
@@ -240,54 +214,18 @@ def _guess_groups(module: dict[str, torch.Tensor], buffer_names: set[str]) -> li
     return [group for group in (decay, no_decay) if group]  # DeepSpeed drops empty groups
 
 
-def write_portable_part(engine_folder: Path, destination: Path, scratch: Path, tag: str) -> PartInfo:
-    """Read one engine's DeepSpeed checkpoint (any ZeRO stage, any number of ranks) and write its
-    portable form into `destination` (created). `scratch` is a work folder (removed afterwards)."""
+@contextlib.contextmanager
+def read_deepspeed_state(engine_folder: Path, scratch: Path, tag: str):
+    """One engine's DeepSpeed checkpoint (any ZeRO stage, any number of ranks) opened as full tensors:
+    yields a source with `names`, `step`, `stage`, `counters` and `tensors(key)` for each of STATE_KEYS.
+    `scratch` is a work folder, removed on leaving (the ZeRO-1/2/3 tensors are read from it)."""
     shards = shard_folder(engine_folder, tag)
     zero = any(shards.glob("*optim_states.pt"))
     scratch.mkdir(parents=True, exist_ok=True)
     try:
-        source = _ZeroSource(shards, scratch) if zero else _StageZeroSource(shards)
-        destination.mkdir(parents=True, exist_ok=True)
-        for key in STATE_KEYS:  # one state in memory at a time
-            save_file(source.tensors(key), str(destination / f"{key}.safetensors"))
+        yield _ZeroSource(shards, scratch) if zero else _StageZeroSource(shards)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    info = PartInfo(names=source.names, optimizer_step=source.step, source_zero_stage=source.stage, **source.counters)
-    try:
-        text = json.dumps(asdict(info), indent=1)
-    except TypeError as error:
-        raise PortableError(f"{engine_folder}: the LR-scheduler state is not plain data ({error})") from error
-    (destination / INFO_FILE).write_text(text)
-    return info
-
-
-class PortablePart:
-    """A portable part opened for loading: `tensor(key, name)` reads one full fp32 tensor lazily."""
-
-    def __init__(self, folder: Path):
-        self.folder = Path(folder)
-        try:
-            document = json.loads((self.folder / INFO_FILE).read_text())
-        except (OSError, ValueError) as error:
-            raise PortableError(f"{self.folder}: unreadable {INFO_FILE} ({error})") from error
-        if document.get("format") != PART_FORMAT or document.get("version", 0) > PART_VERSION:
-            raise PortableError(f"{self.folder}: {INFO_FILE} is not a portable part this AstrAI reads")
-        self.info = PartInfo(**document)
-        self._files = {
-            key: safe_open(str(self.folder / f"{key}.safetensors"), framework="pt", device="cpu") for key in STATE_KEYS
-        }
-
-    @property
-    def names(self) -> list[str]:
-        return self.info.names
-
-    def tensor(self, key: str, name: str) -> torch.Tensor:
-        return self._files[key].get_tensor(name)
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every parameter's full shape, read from the safetensors header (no tensor is read)."""
-        return {name: tuple(self._files["fp32"].get_slice(name).get_shape()) for name in self.names}
 
 
 # Loading into a live engine: DeepSpeed's own layouts, filled from full tensors (see Engine.load_full_state).
