@@ -138,7 +138,8 @@ class _ZeroSource:
             raise
         except Exception as error:
             raise PortableError(
-                f"{shards}: DeepSpeed's ds_to_universal failed ({type(error).__name__}: {error}); output:\n{captured.getvalue()[-2000:]}"
+                f"{shards}: DeepSpeed's ds_to_universal failed ({type(error).__name__}: {error}); "
+                f"output:\n{captured.getvalue()[-2000:]}"
             ) from error
         self.zero = universal / "zero"
 

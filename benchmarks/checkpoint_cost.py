@@ -418,16 +418,18 @@ def render_markdown(payload: dict) -> str:
         + ", ".join(f"{name} {fmt(value)} GB/s" for name, value in hashing.items())
         + ".",
         "",
-        "Ratios of times, each against a baseline of the same round: median [min–max]. Plain = DeepSpeed's own `save_checkpoint` of the "
-        "same engine (page cache, no fsync); target: publish <= 1.25 x plain. Publishes stream DeepSpeed's shards (hashed as written, "
-        "write-out started every 16 MiB) as the trainer does; `not streamed` is the earlier way (written, then fsynced and read back).",
+        "Ratios of times, each against a baseline of the same round: median [min–max]. Plain = DeepSpeed's own "
+        "`save_checkpoint` of the same engine (page cache, no fsync); target: publish <= 1.25 x plain. Publishes "
+        "stream DeepSpeed's shards (hashed as written, write-out started every 16 MiB) as the trainer does; `not "
+        "streamed` is the earlier way (written, then fsynced and read back).",
         "",
     ]
     rows = []
     for case in payload["cases"]:
         rows.append(
             [
-                f"ZeRO-{case['stage']} {case['size']} ({case['parameters'] / 1e6:.1f}M params, {case['bytes'] / 2**20:.0f} MiB)",
+                f"ZeRO-{case['stage']} {case['size']} ({case['parameters'] / 1e6:.1f}M params, "
+                f"{case['bytes'] / 2**20:.0f} MiB)",
                 fmt_summary(case["plain"], 2),
                 fmt_summary(case["plain+fsync/plain"]),
                 fmt_summary(case["publish/plain"]),
@@ -475,7 +477,8 @@ def render_markdown(payload: dict) -> str:
                 f"ZeRO-{case['stage']} {case['size']}",
                 fmt_summary(case["publish/plain"]),
                 fmt_summary(case["publish_async/plain"]),
-                f"{fmt(case['publish_own_blocking_s']['median'], 3)} / {fmt(case['publish_async_own_blocking_s']['median'], 3)}",
+                f"{fmt(case['publish_own_blocking_s']['median'], 3)} / "
+                f"{fmt(case['publish_async_own_blocking_s']['median'], 3)}",
                 fmt_summary(case["publish_async_durable/plain"]),
                 fmt_summary(case["publish_async_durable/plain+fsync"]),
                 fmt_summary(case["steps_alone_s"], 2),

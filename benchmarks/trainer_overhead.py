@@ -415,11 +415,13 @@ def render_markdown(payload: dict) -> str:
     settings, summary = payload["settings"], payload["summary"]
     peak = payload["matmul_peak_gflops"]["used"]
     lines = [
-        f"### Trainer overhead ({payload['parameters'] / 1e6:.1f}M-parameter Llama, seq {settings['seq_len']}, micro-batch "
-        f"{settings['micro_batch']}, {settings['steps']} steps of which {settings['warmup']} warm-up, {settings['repeats']} rounds)",
+        f"### Trainer overhead ({payload['parameters'] / 1e6:.1f}M-parameter Llama, seq {settings['seq_len']}, "
+        f"micro-batch {settings['micro_batch']}, {settings['steps']} steps of which {settings['warmup']} warm-up, "
+        f"{settings['repeats']} rounds)",
         "",
         machine_line(payload["machine"]),
-        f"fp32 matmul peak (1024², best of the run): {peak['1']:.0f} GFLOP/s on 1 thread, {peak['all']:.0f} GFLOP/s on all cores.",
+        f"fp32 matmul peak (1024², best of the run): {peak['1']:.0f} GFLOP/s on 1 thread, {peak['all']:.0f} GFLOP/s "
+        "on all cores.",
         "",
         "Ratios of tokens/s, taken per round against the baseline of the same round: median [min–max].",
         "",

@@ -95,7 +95,8 @@ def run_bounded(command: list[str], timeout: float, **options) -> subprocess.Com
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
         raise AssertionError(
-            f"{' '.join(map(str, command[:4]))} ... ran past {timeout} s and was killed:\n{stdout[-3000:]}\n{stderr[-3000:]}"
+            f"{' '.join(map(str, command[:4]))} ... ran past {timeout} s and was "
+            f"killed:\n{stdout[-3000:]}\n{stderr[-3000:]}"
         ) from None
     finally:
         if process.poll() is None:

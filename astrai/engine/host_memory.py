@@ -49,7 +49,8 @@ def tune_malloc(environ: dict[str, str] | None = None) -> bool:
             and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
         ):
             logger.info(
-                "host malloc: blocks up to %d MiB from the heap, up to %d MiB kept free at its top (runtime.tune_malloc)",
+                "host malloc: blocks up to %d MiB from the heap, up to %d MiB kept free at its top "
+                "(runtime.tune_malloc)",
                 MMAP_THRESHOLD_BYTES >> 20,
                 TRIM_THRESHOLD_BYTES >> 20,
             )

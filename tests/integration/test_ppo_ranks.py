@@ -25,7 +25,8 @@ from tests.integration.plan import arithmetic_sft_run, launch_plan, metrics
 
 pytestmark = pytest.mark.slow
 
-# 2 ranks x 8 prompts x 8 responses; 64 per rank = 2 minibatches of 16 x 2: two policy and two critic updates per rollout.
+# 2 ranks x 8 prompts x 8 responses; 64 per rank = 2 minibatches of 16 x 2: two policy and two critic updates per
+# rollout.
 PPO_JOB = """\
 output_dir: {folder}/{name}
 model: {{path: {folder}/sft_hf}}

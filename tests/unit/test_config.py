@@ -82,7 +82,8 @@ def test_missing_job_file():
 
 def test_hub_name_model_path_is_refused_with_hint(tmp_path):
     body = VALID.replace(
-        "  init: {{model_type: llama, hidden_size: 16, intermediate_size: 32, num_hidden_layers: 1, num_attention_heads: 2}}",
+        "  init: {{model_type: llama, hidden_size: 16, intermediate_size: 32, num_hidden_layers: 1, "
+        "num_attention_heads: 2}}",
         "  path: meta-llama/Llama-3-8B",
     )
     with pytest.raises(ConfigError, match=r"model\.path: .*hub names cannot be downloaded"):
@@ -177,6 +178,7 @@ def test_a_later_quickstart_says_to_run_the_quickstart_first(tmp_path):
 def test_a_hub_name_is_refused_with_a_clear_message(tmp_path):
     with pytest.raises(
         ConfigError,
-        match=r"tokenizer\.path: local folder 'meta-llama/Llama-3' does not exist \(hub names cannot be downloaded here",
+        match=r"tokenizer\.path: local folder 'meta-llama/Llama-3' does not exist \(hub names cannot be downloaded "
+        r"here",
     ):
         load_job(write_job(tmp_path, VALID.replace("  build: {{kind: char}}", "  path: meta-llama/Llama-3")))

@@ -85,7 +85,8 @@ def test_a_column_of_mixed_types_never_changes_a_value_silently(tmp_path):
     )
     with pytest.raises(
         DataError,
-        match=r"answers\.jsonl: row 2, column 'answer': datasets read '3' as 3: the column has values of different types",
+        match=r"answers\.jsonl: row 2, column 'answer': datasets read '3' as 3: the column has values of different "
+        r"types",
     ):
         load_rows(str(answers), "auto", tmp_path / "cache")
     as_document = tmp_path / "answers.json"

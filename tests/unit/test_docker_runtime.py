@@ -82,7 +82,8 @@ def test_missing_keys_fall_back_to_the_env_file(tmp_path):
     assert exports(write_job(tmp_path, "")) == {"TRAIN_CONFIG_FILE": str(tmp_path / "job.yaml")}
     env_file = tmp_path / ".env.train"
     env_file.write_text(
-        "# host settings\nTRAIN_IMAGE=astrai:env\nexport TRAIN_JOB_NAME='from env'\nTRAIN_CHECKPOINT_DIR=/env/ckpt # inline\n\nTRAIN_DATA=/env/data\n"
+        "# host settings\nTRAIN_IMAGE=astrai:env\nexport TRAIN_JOB_NAME='from env'\nTRAIN_CHECKPOINT_DIR=/env/ckpt # "
+        "inline\n\nTRAIN_DATA=/env/data\n"
     )
     values = read_env_file(env_file)
     assert values == {

@@ -336,8 +336,8 @@ def test_nccl_variables_of_this_shell_reach_no_rank_unless_the_job_lists_them(tm
     code, out, err = dry_run(capsys, config, "--node-rank", "0")
     assert code == 0, err
     assert (
-        "warning: not passed to the job: NCCL_SOCKET_IFNAME, TORCH_NCCL_BLOCKING_WAIT (set in this shell, not in runtime.environment"
-        in err
+        "warning: not passed to the job: NCCL_SOCKET_IFNAME, TORCH_NCCL_BLOCKING_WAIT (set in this shell, not "
+        "in runtime.environment" in err
     )
     assert shlex.split(out)[:5] == ["env", "-u", "NCCL_SOCKET_IFNAME", "-u", "TORCH_NCCL_BLOCKING_WAIT"]
     from astrai.train import load_and_check
@@ -611,7 +611,8 @@ def test_mismatches_are_named_with_their_ranks():
     ]
     problems = preflight.find_problems(preflight.summarize(everyone), everyone, gpus_per_node=8)
     assert problems == [
-        "ranks run different torch versions (2.12.1 on ranks 2-3; 2.13.0 on ranks 0-1): install the same torch on every node",
+        "ranks run different torch versions (2.12.1 on ranks 2-3; 2.13.0 on ranks 0-1): install the same torch on "
+        "every node",
         "some ranks run on CPUs and others on GPUs (node 0 (node-a): NVIDIA H100; node 1 (node-b): cpu)",
         "node 1 (node-b) has 4 GPUs, infra.gpus_per_node says 8",
         "ranks 0-1 all claim local rank 0 of node 0: the launchers of the nodes disagree",
@@ -625,7 +626,8 @@ def test_a_deepspeed_version_mismatch_is_named_with_its_ranks():
     ]
     summary = preflight.summarize(everyone)
     assert preflight.find_problems(summary, everyone, gpus_per_node=None) == [
-        "ranks run different deepspeed versions (0.18.4 on ranks 2-3; 0.19.8 on ranks 0-1): install the same deepspeed on every node",
+        "ranks run different deepspeed versions (0.18.4 on ranks 2-3; 0.19.8 on ranks 0-1): install the same "
+        "deepspeed on every node",
     ]
     assert "deepspeed 0.18.4/0.19.8" in preflight.describe(summary)[0]
 

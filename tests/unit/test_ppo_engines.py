@@ -152,7 +152,8 @@ def test_critic_optimizer_settings_differ_from_the_policy_and_clipping_defaults_
         group["params"] for group in critic_groups
     )
     assert [group["weight_decay"] for group in policy_groups] == [0.0, 0.0]
-    # LR: peak critic.lr with a linear schedule after one rollout of warmup; 3 steps x 2 epochs x 2 minibatches = 12 updates
+    # LR: peak critic.lr with a linear schedule after one rollout of warmup; 3 steps x 2 epochs x 2 minibatches = 12
+    # updates
     assert [group["initial_lr"] for group in critic_groups] == [4e-3, 4e-3]
     assert critic.lr == pytest.approx(4e-3 / 4)  # update 1 of a 4-update warmup
     multiplier = critic._engine.lr_scheduler.lr_lambdas[0]

@@ -262,7 +262,8 @@ def test_http_reward_built_from_the_yaml_section_honours_its_settings(service):
         ("nan", r"reward 'scorer' returned a non-finite value \(nan\) for response 1"),
         (
             "html",
-            r"reward 'scorer': the answer is not JSON with a 'rewards' list \(JSONDecodeError.*it began b'<html><body>502 Bad Gateway",
+            r"reward 'scorer': the answer is not JSON with a 'rewards' list \(JSONDecodeError.*it began "
+            r"b'<html><body>502 Bad Gateway",
         ),
         ("no_key", r"reward 'scorer': the answer is not JSON with a 'rewards' list \(KeyError: 'rewards'\)"),
     ],

@@ -325,9 +325,9 @@ def test_a_changed_world_size_logs_both_rules_once_and_reseeds(caplog):
     assert logs[1] == logs[2] == []  # rank 0 alone says it, once per resume
     data, rng = logs[0]
     assert data == (
-        "data position: continuing from global sample count 36 (rule: the global sample count carries over, rounded up to this "
-        "run's global micro-batch of 12 samples = 4 per rank x world size 3; world size 2 -> 3, train.micro_batch_size 4 -> 4, "
-        "36 samples consumed)"
+        "data position: continuing from global sample count 36 (rule: the global sample count carries over, rounded "
+        "up to this run's global micro-batch of 12 samples = 4 per rank x world size 3; world size 2 -> 3, "
+        "train.micro_batch_size 4 -> 4, 36 samples consumed)"
     )
     assert rng.startswith("RNG reseeded per rank from (seed, step, rank): world size changed (2 -> 3) (rule:")
     assert (
@@ -349,7 +349,8 @@ def test_a_changed_micro_batch_on_the_same_world_size_restores_rng_and_says_so(c
     assert draws() == expected  # rank 1 continues its own saved stream
     assert state.consumed_samples == 48
     assert caplog.messages == [
-        "data position: 36 samples consumed is not a multiple of this run's global micro-batch of 16: continuing from sample 48 (12 samples skipped)"
+        "data position: 36 samples consumed is not a multiple of this run's global micro-batch of 16: continuing from "
+        "sample 48 (12 samples skipped)"
     ]
     caplog.clear()
     restore_rng(saved)

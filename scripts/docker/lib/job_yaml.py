@@ -128,7 +128,8 @@ def parse_gpu(infra: dict, source: Path | str) -> tuple[list[int] | str | None, 
         )
         if not valid:
             raise JobFileError(
-                f"{source}: infra.gpu.devices: expected `all` or a list of distinct GPU indices like [0, 1, 2, 3], got {devices!r}"
+                f"{source}: infra.gpu.devices: expected `all` or a list of distinct GPU indices like [0, 1, 2, 3], "
+                f"got {devices!r}"
             )
     count = gpu.get("count")
     if count is not None:
