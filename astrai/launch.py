@@ -455,7 +455,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def launch_main(argv: list[str] | None = None) -> int:
-    """Exit status: the launcher's (0 when every rank succeeded); 2 when the job or host list is wrong; 1 when output_dir is in use."""
+    """Exit status: the launcher's (0 when every rank succeeded); 2 when the job or host list is wrong;
+    1 when output_dir is in use."""
     args = parse_args(argv)
     from astrai.job_checks import load_and_check  # the very checks every rank runs on the job file
 

@@ -370,7 +370,7 @@ def fill_zero3(optimizer, named: dict, source, step: int) -> None:
         share = parameter.ds_tensor.numel()
         index, offset, numel = optimizer.grad_position[optimizer.get_param_id(parameter)]
 
-        def piece(key: str) -> torch.Tensor:
+        def piece(key: str, name=name, share=share, ranks=ranks, rank=rank) -> torch.Tensor:  # bound now (B023)
             flat = source.tensor(key, name).flatten()
             return torch.nn.functional.pad(flat, (0, share * ranks - flat.numel())).narrow(0, rank * share, share)
 

@@ -8,9 +8,9 @@ Every rank, in astrai/train.py:
     preflight_check(job, dist, write_rank_report(job, dist))   # ONE all_gather_object; PreflightError
 
 The report is written before the rendezvous and again before the first collective, so it exists even
-when either hangs: it is the first thing to read when a multi-node job misbehaves. The check gathers every rank's report and
-every rank reaches the same verdict from the same data, so a mismatch (torch or deepspeed versions
-that differ between nodes, a node with fewer GPUs than `infra.gpus_per_node`) stops all ranks at once
+when either hangs: it is the first thing to read when a multi-node job misbehaves. The check gathers
+every rank's report and every rank reaches the same verdict from the same data, so a mismatch (torch or
+deepspeed versions that differ between nodes, a node with fewer GPUs than `infra.gpus_per_node`) stops all ranks at once
 instead of leaving some waiting in a collective.
 
 `deepspeed astrai/preflight.py --config job.yaml` runs only these steps: it is what

@@ -251,7 +251,7 @@ def run_variant(variant: str, round_index: int, work: Path, data: dict[str, Path
         steps = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
         per_step = [s["tokens_per_s"] for s in steps]
         # The progress bar appears (0/N) when the loop starts; metrics.jsonl's elapsed_s counts from there.
-        loop_start = result.first(r"train:\s+0%%.*\b0/%d\b" % args.steps)
+        loop_start = result.first(rf"train:\s+0%.*\b0/{args.steps}\b")
         first = loop_start + steps[0]["elapsed_s"] if loop_start is not None and steps else None
         last = loop_start + steps[-1]["elapsed_s"] if loop_start is not None and steps else None
         published = result.last(r"published .* in ([0-9.]+) s")
@@ -276,7 +276,7 @@ def run_variant(variant: str, round_index: int, work: Path, data: dict[str, Path
         report = json.loads(out.read_text())
         per_step = [s["tokens_per_s"] for s in report["steps"]]
         first = result.first(r"BENCH step 1$")
-        last = result.first(r"BENCH step %d$" % args.steps)
+        last = result.first(rf"BENCH step {args.steps}$")
         record.update(
             first_step_s=first, last_step_s=last, threads=report.get("threads"), setup_s=report.get("setup_s")
         )

@@ -32,7 +32,8 @@ def one_rank():
 
     saved = dict(os.environ)
     yield setup_distributed(60)
-    shutdown_distributed()  # also drops DeepSpeed's clone of the world group, else the next engine uses a destroyed group
+    # also drops DeepSpeed's clone of the world group, else the next engine uses a destroyed group
+    shutdown_distributed()
     os.environ.clear()
     os.environ.update(saved)
 

@@ -287,7 +287,7 @@ class NodeConfig(Section):
 
 
 class InfraConfig(Section):
-    """Host side: containers, GPUs and nodes. Read by the wrappers and `python -m astrai launch`; the trainer ignores it."""
+    """Host side (containers, GPUs, nodes): read by the wrappers and `python -m astrai launch`, not the trainer."""
 
     job_name: str | None = Field(None, description="Name of the job (containers, logs).")
     data: str | None = Field(None, description="Host folder mounted read-only as the container's data folder.")

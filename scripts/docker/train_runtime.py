@@ -155,7 +155,8 @@ def plan(document: dict, job_file: Path | None, environ: dict, env_file: dict, *
 
 
 def check_devices_all(variables: dict, env_file: dict, job_file: Path | None) -> None:
-    """`gpu.devices: all` can only unset the shell's CUDA_VISIBLE_DEVICES; one in .env.train would still reach compose."""
+    """`gpu.devices: all` can only unset the shell's CUDA_VISIBLE_DEVICES; one in .env.train would still
+    reach compose."""
     if (
         "CUDA_VISIBLE_DEVICES" in variables
         and variables["CUDA_VISIBLE_DEVICES"] is None

@@ -35,7 +35,8 @@ rollout: {{prompts_per_step: 16, group_size: 8, max_new_tokens: 4}}
 rl: {{kl_coef: 0.05, kl_estimator: k1}}
 reward: {{function: "astrai.rollout.rewards:arithmetic_exact_match"}}
 critic: {{lr: 2e-3}}
-train: {{train_type: online_ppo, max_steps: {steps}, micro_batch_size: 16, grad_accum_steps: 2, lr: 5e-4, lr_schedule: constant, warmup_steps: 0, seed: 7}}
+train: {{train_type: online_ppo, max_steps: {steps}, micro_batch_size: 16, grad_accum_steps: 2, lr: 5e-4,
+         lr_schedule: constant, warmup_steps: 0, seed: 7}}
 deepspeed: {{zero_stage: 2}}
 runtime: {{progress_bar: false, tensorboard: false}}
 """

@@ -160,7 +160,10 @@ def test_conversion_is_logged_with_the_rules(runs):
         "up to this run's global micro-batch of {global_} samples = {per_rank} per rank x world size {after}; world "
         "size {before} -> {after}, train.micro_batch_size {saved} -> {per_rank}, 32 samples consumed)"
     )
-    rng_rule = "RNG reseeded per rank from (seed, step, rank): world size changed ({before} -> {after}) (rule: per-rank RNG state cannot carry over; python random, numpy and torch"
+    rng_rule = (
+        "RNG reseeded per rank from (seed, step, rank): world size changed ({before} -> {after}) "
+        "(rule: per-rank RNG state cannot carry over; python random, numpy and torch"
+    )
     assert log.count(data_rule.format(global_=8, per_rank=8, before=2, after=1, saved=4)) == 1
     assert log.count(rng_rule.format(before=2, after=1)) == 1
     # The 2-rank launch: w1 -> w2z3 changed world size and micro-batch; z3 -> z2 changed neither (no rule to state).

@@ -261,7 +261,8 @@ def test_python_m_astrai_verify_in_a_subprocess(tmp_path):
 
 
 def test_verify_cli_require_parts(tmp_path, capsys):
-    """`--require-parts` fails a checkpoint lacking a part the job needs (what scripts/train.sh checks before a resume)."""
+    """`--require-parts` fails a checkpoint lacking a part the job needs (what scripts/train.sh checks
+    before a resume)."""
     output_dir = tmp_path / "run"
     publish(output_dir / "checkpoints", 1)
     newest = output_dir / "checkpoints" / step_dir_name(1)

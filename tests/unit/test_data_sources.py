@@ -52,7 +52,8 @@ def test_unreadable_file_and_empty_path_are_named(tmp_path):
 JOB = """\
 output_dir: {output_dir}
 model:
-  init: {{model_type: llama, hidden_size: 16, intermediate_size: 32, num_hidden_layers: 1, num_attention_heads: 2, max_position_embeddings: 64}}
+  init: {{model_type: llama, hidden_size: 16, intermediate_size: 32, num_hidden_layers: 1, num_attention_heads: 2,
+          max_position_embeddings: 64}}
 tokenizer: {{build: {{kind: char}}}}
 data: {{path: {data}, max_seq_len: 32, on_bad_row: skip}}
 train: {{train_type: sft, max_steps: 1, micro_batch_size: 2, lr: 1e-3}}

@@ -38,7 +38,8 @@ ONLINE = """\
 rollout: {{prompts_per_step: 4, group_size: 2, max_new_tokens: 4, behaviour_logprobs: recompute}}
 rl: {{kl_coef: 0.1}}
 reward: {{function: "tests.unit.test_ppo_engines:digit_count"}}
-train: {{train_type: {train_type}, max_steps: 1, micro_batch_size: 4, lr: 1e-3, lr_schedule: constant, warmup_steps: 0, seed: 5}}
+train: {{train_type: {train_type}, max_steps: 1, micro_batch_size: 4, lr: 1e-3, lr_schedule: constant,
+         warmup_steps: 0, seed: 5}}
 """
 DPO = "train: {train_type: dpo, max_steps: 1, micro_batch_size: 4, lr: 1e-3, seed: 5}\n"
 

@@ -243,7 +243,7 @@ def test_serve_up_uses_the_serve_section_and_infra_gpus(host):
 
 
 def test_serve_run_stays_in_the_foreground_and_never_builds(host):
-    model = model_folder(host)
+    model_folder(host)
     job = write_job(host, "  gpu: {devices: all}\n", extra="serve: {model_dir: hf}\n")
     result = host.run(["bash", str(REPO / "scripts" / "serve.sh"), "run", str(job)], CUDA_VISIBLE_DEVICES="0")
     assert result.returncode == 0, result.stderr

@@ -151,14 +151,16 @@ def test_dpo_completion_logprobs_renormalise_over_the_real_vocabulary(model, tok
 GRPO_JOB = """\
 output_dir: {output_dir}
 model:
-  init: {{model_type: llama, vocab_size: 64, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4,
+  init: {{model_type: llama, vocab_size: 64, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2,
+          num_attention_heads: 4,
           num_key_value_heads: 2, max_position_embeddings: 64}}
 tokenizer: {{build: {{kind: char}}}}
 data: {{path: {data}, max_seq_len: 32}}
 rollout: {{prompts_per_step: 4, group_size: 2, max_new_tokens: 6}}
 rl: {{kl_coef: 0.1}}
 reward: {{function: "tests.unit.test_ppo_engines:digit_count"}}
-train: {{train_type: grpo, max_steps: 2, micro_batch_size: 4, grad_accum_steps: 2, lr: 1e-3, lr_schedule: constant, warmup_steps: 0, seed: 5}}
+train: {{train_type: grpo, max_steps: 2, micro_batch_size: 4, grad_accum_steps: 2, lr: 1e-3, lr_schedule: constant,
+         warmup_steps: 0, seed: 5}}
 runtime: {{progress_bar: false, tensorboard: false}}
 """
 

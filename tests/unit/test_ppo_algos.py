@@ -82,7 +82,10 @@ def test_k3_shaping_puts_kl_on_every_token_and_the_reward_on_the_last_real_one()
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
     kl = kl_estimate(logp, ref_logp, "k3")
     rewards = kl_shaped_rewards(torch.tensor([1.0, -2.0, 5.0]), kl, mask, 0.1)
-    k3 = lambda log_ratio: torch.expm1(torch.tensor(-log_ratio)).item() + log_ratio  # (r - 1) - log r, r = ref / pi
+
+    def k3(log_ratio: float) -> float:  # (r - 1) - log r, r = ref / pi
+        return torch.expm1(torch.tensor(-log_ratio)).item() + log_ratio
+
     expected = [
         [-0.1 * k3(0.5), -0.1 * k3(-1.0), -0.1 * k3(0.0) + 1.0, 0.0],  # the reward on token 2, the last real one
         [-0.1 * k3(-0.2) - 2.0, 0.0, 0.0, 0.0],

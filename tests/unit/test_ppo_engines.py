@@ -1,7 +1,7 @@
 """online_ppo with real single-rank DeepSpeed engines in this process: build_run makes a policy and a critic
-engine (each its own optimizer settings and clipping), the loop's warmup, versions, metrics and pinned replay, the checkpoint's
-parts, the critic export, and resume from a checkpoint without critic/ (refused, or a new critic from
-critic.path)."""
+engine (each its own optimizer settings and clipping), the loop's warmup, versions, metrics and pinned
+replay, the checkpoint's parts, the critic export, and resume from a checkpoint without critic/ (refused,
+or a new critic from critic.path)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ rollout: {{prompts_per_step: 4, group_size: 4, max_new_tokens: 4}}
 rl: {{kl_coef: 0.05, epochs_per_rollout: 2}}
 reward: {{function: "tests.unit.test_ppo_engines:digit_count"}}
 critic: {{lr: 1e-3, warmup_rollouts: 1}}
-train: {{train_type: online_ppo, max_steps: 3, micro_batch_size: 4, grad_accum_steps: 2, lr: 1e-3, lr_schedule: constant, warmup_steps: 0, seed: 5}}
+train: {{train_type: online_ppo, max_steps: 3, micro_batch_size: 4, grad_accum_steps: 2, lr: 1e-3,
+         lr_schedule: constant, warmup_steps: 0, seed: 5}}
 checkpoint: {{every_steps: 3}}
 runtime: {{progress_bar: false, tensorboard: false}}
 """

@@ -186,7 +186,8 @@ def test_every_train_type_adds_coef_times_aux_scaled_like_its_loss(tokenizer, tr
 RUN = """\
 output_dir: {output_dir}
 model:
-  init: {{model_type: qwen2_moe, hidden_size: 32, intermediate_size: 32, moe_intermediate_size: 16, shared_expert_intermediate_size: 16,
+  init: {{model_type: qwen2_moe, hidden_size: 32, intermediate_size: 32, moe_intermediate_size: 16,
+          shared_expert_intermediate_size: 16,
           num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, num_experts: 4, num_experts_per_tok: 2,
           max_position_embeddings: 64}}
   router_aux_loss_coef: 0.1
@@ -194,7 +195,8 @@ tokenizer: {{build: {{kind: char}}}}
 data: {{path: {data}, max_seq_len: 32}}
 rollout: {{prompts_per_step: 4, group_size: 2, max_new_tokens: 4}}
 reward: {{function: "tests.unit.test_ppo_engines:digit_count"}}
-train: {{train_type: {train_type}, max_steps: 2, micro_batch_size: 4, grad_accum_steps: 2, lr: 1e-3, warmup_steps: 0, seed: 5}}
+train: {{train_type: {train_type}, max_steps: 2, micro_batch_size: 4, grad_accum_steps: 2, lr: 1e-3, warmup_steps: 0,
+         seed: 5}}
 runtime: {{progress_bar: false, tensorboard: false}}
 """
 
