@@ -20,7 +20,7 @@ import pytest
 from astrai.checkpoint import CheckpointPublisher, cleanup_stale, find_latest, verify_checkpoint
 from astrai.checkpoint.layout import list_hidden, list_published, parse_step_dir_name
 
-REPOSITORY = Path(__file__).resolve().parents[2]
+REPOSITORY = Path(__file__).resolve().parents[3]
 
 # Publishes forever: a few MB of random shards per checkpoint, sometimes republishing the same
 # step, keep_last=3 so that retention deletions are killed too.

@@ -29,7 +29,7 @@ tokenizer: {{build: {{kind: char}}}}
 data: {{path: {data}, max_seq_len: 32}}
 rollout: {{prompts_per_step: 4, group_size: 4, max_new_tokens: 4}}
 rl: {{kl_coef: 0.05, epochs_per_rollout: 2}}
-reward: {{function: "tests.unit.test_ppo_engines:digit_count"}}
+reward: {{function: "tests.unit.strategies.test_ppo_engines:digit_count"}}
 critic: {{lr: 1e-3, warmup_rollouts: 1}}
 train: {{train_type: online_ppo, max_steps: 3, micro_batch_size: 4, grad_accum_steps: 2, lr: 1e-3,
          lr_schedule: constant, warmup_steps: 0, seed: 5}}

@@ -194,7 +194,7 @@ model:
 tokenizer: {{build: {{kind: char}}}}
 data: {{path: {data}, max_seq_len: 32}}
 rollout: {{prompts_per_step: 4, group_size: 2, max_new_tokens: 4}}
-reward: {{function: "tests.unit.test_ppo_engines:digit_count"}}
+reward: {{function: "tests.unit.strategies.test_ppo_engines:digit_count"}}
 train: {{train_type: {train_type}, max_steps: 2, micro_batch_size: 4, grad_accum_steps: 2, lr: 1e-3, warmup_steps: 0,
          seed: 5}}
 runtime: {{progress_bar: false, tensorboard: false}}

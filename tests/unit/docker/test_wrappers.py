@@ -16,7 +16,7 @@ import pytest
 
 from astrai.checkpoint import CheckpointPublisher
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 RECORDER = """#!/usr/bin/env bash
 # Fake {name}: records argv (NUL-separated) and the environment of each call, in call order.
 n=$(cat "$FAKE_LOG/count" 2>/dev/null || echo 0)

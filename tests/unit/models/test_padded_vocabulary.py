@@ -24,7 +24,7 @@ from astrai.strategies.dpo import completion_logprobs
 from astrai.trainer import train_online
 from tests.conftest import REPO
 from tests.unit.rollout_fixtures import PlainEngine
-from tests.unit.test_rollout_grpo import job
+from tests.unit.strategies.test_grpo import job
 
 MODEL_ROWS = 64
 
@@ -158,7 +158,7 @@ tokenizer: {{build: {{kind: char}}}}
 data: {{path: {data}, max_seq_len: 32}}
 rollout: {{prompts_per_step: 4, group_size: 2, max_new_tokens: 6}}
 rl: {{kl_coef: 0.1}}
-reward: {{function: "tests.unit.test_ppo_engines:digit_count"}}
+reward: {{function: "tests.unit.strategies.test_ppo_engines:digit_count"}}
 train: {{train_type: grpo, max_steps: 2, micro_batch_size: 4, grad_accum_steps: 2, lr: 1e-3, lr_schedule: constant,
          warmup_steps: 0, seed: 5}}
 runtime: {{progress_bar: false, tensorboard: false}}

@@ -27,7 +27,7 @@ from astrai.checkpoint.layout import parse_hidden_dir_name, staging_dir_name
 from astrai.checkpoint.manifest import MANIFEST_NAME, is_safe_relative_path
 from astrai.checkpoint.publisher import describe_listing_difference
 
-REPOSITORY = Path(__file__).resolve().parents[2]
+REPOSITORY = Path(__file__).resolve().parents[3]
 
 
 def write_payload(staging: Path) -> None:

@@ -26,7 +26,7 @@ from astrai.plan import (
     plan_main,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tests"))
 from conftest import child_env, run_bounded  # noqa: E402
 

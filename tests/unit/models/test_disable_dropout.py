@@ -37,7 +37,7 @@ runtime: {{progress_bar: false, tensorboard: false}}
 ONLINE = """\
 rollout: {{prompts_per_step: 4, group_size: 2, max_new_tokens: 4, behaviour_logprobs: recompute}}
 rl: {{kl_coef: 0.1}}
-reward: {{function: "tests.unit.test_ppo_engines:digit_count"}}
+reward: {{function: "tests.unit.strategies.test_ppo_engines:digit_count"}}
 train: {{train_type: {train_type}, max_steps: 1, micro_batch_size: 4, lr: 1e-3, lr_schedule: constant,
          warmup_steps: 0, seed: 5}}
 """
