@@ -1,10 +1,12 @@
 """GRPO advantages, GAE, KL-shaped rewards and KL controllers: by hand and against plain loops."""
 
+import itertools
 import random
 
 import pytest
 import torch
 
+from astrai.algos import compute_gae, kl_estimate
 from astrai.algos.advantages import (
     AdaptiveKLController,
     FixedKLController,
@@ -165,3 +167,78 @@ def test_discounted_returns_against_a_loop():
             for t in range(6):
                 expected = sum(gamma ** (s - t) * rewards[row, s].item() for s in range(t, length))  # 0 past the end
                 assert returns[row, t].item() == pytest.approx(expected, abs=1e-12)
+
+
+# ----------------------------------------------------------------------------- GAE and k3 shaping (online_ppo)
+
+
+def reverse_loop_gae(rewards, values, lengths, gamma, lam):
+    """GAE one row and one token at a time, backwards, in Python floats (terminal after the last valid token)."""
+    advantages, returns = [], []
+    for row_rewards, row_values, length in zip(rewards, values, lengths):
+        row_advantages, next_advantage = [0.0] * len(row_rewards), 0.0
+        for t in reversed(range(length)):
+            next_value = row_values[t + 1] if t + 1 < length else 0.0
+            next_advantage = row_rewards[t] + gamma * next_value - row_values[t] + gamma * lam * next_advantage
+            row_advantages[t] = next_advantage
+        advantages.append(row_advantages)
+        returns.append([a + v if t < length else 0.0 for t, (a, v) in enumerate(zip(row_advantages, row_values))])
+    return advantages, returns
+
+
+def test_compute_gae_by_hand_with_padding():
+    # gamma 0.9, lambda 0.5; row 0 has 3 valid tokens, row 1 has 1 and junk (NaN, 100) in its padding.
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [2.0, 100.0, 100.0]])
+    values = torch.tensor([[0.5, 0.4, 0.2], [1.0, float("nan"), 3.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    advantages, returns = compute_gae(rewards, values, mask, 0.9, 0.5)
+    # row 0: d2 = 1 - 0.2 = 0.8; d1 = 0 + 0.9*0.2 - 0.4 = -0.22; d0 = 0 + 0.9*0.4 - 0.5 = -0.14
+    #        A2 = 0.8; A1 = -0.22 + 0.45*0.8 = 0.14; A0 = -0.14 + 0.45*0.14 = -0.077
+    # row 1: A0 = 2 - 1 = 1 (terminal: V after the last token is 0); padding 0
+    assert torch.allclose(advantages, torch.tensor([[-0.077, 0.14, 0.8], [1.0, 0.0, 0.0]]), atol=1e-6)
+    assert torch.allclose(returns, torch.tensor([[0.423, 0.54, 1.0], [2.0, 0.0, 0.0]]), atol=1e-6)
+
+
+@pytest.mark.parametrize("gamma, lam", list(itertools.product([0.0, 1.0], [0.0, 1.0])) + [(0.99, 0.95)])
+def test_compute_gae_matches_a_reverse_loop_with_padding(gamma, lam):
+    rng = random.Random(int(gamma * 10 + lam))
+    lengths = [0, 1, 4, 7, 7, 3]
+    rewards = [[rng.gauss(0, 1) for _ in range(7)] for _ in lengths]
+    values = [[rng.gauss(0, 1) for _ in range(7)] for _ in lengths]
+    mask = torch.tensor([[1 if t < length else 0 for t in range(7)] for length in lengths])
+    advantages, returns = compute_gae(
+        torch.tensor(rewards, dtype=torch.float64), torch.tensor(values, dtype=torch.float64), mask, gamma, lam
+    )
+    expected_advantages, expected_returns = reverse_loop_gae(rewards, values, lengths, gamma, lam)
+    assert torch.allclose(advantages, torch.tensor(expected_advantages, dtype=torch.float64))
+    assert torch.allclose(returns, torch.tensor(expected_returns, dtype=torch.float64))
+
+
+def test_compute_gae_edge_values_have_their_textbook_meaning():
+    rewards, values = torch.tensor([[1.0, 2.0, 3.0]]), torch.tensor([[0.5, 1.0, 2.0]])
+    mask = torch.ones(1, 3)
+    advantages, _ = compute_gae(rewards, values, mask, 0.0, 0.7)  # gamma 0: A_t = r_t - V_t
+    assert advantages.tolist() == [[0.5, 1.0, 1.0]]
+    advantages, _ = compute_gae(rewards, values, mask, 1.0, 0.0)  # lambda 0: one-step TD error
+    assert advantages.tolist() == [[1.0 + 1.0 - 0.5, 2.0 + 2.0 - 1.0, 3.0 - 2.0]]
+    _, returns = compute_gae(rewards, values, mask, 1.0, 1.0)  # gamma = lambda = 1: reward-to-go, whatever V
+    assert returns.tolist() == [[6.0, 5.0, 3.0]]
+
+
+def test_k3_shaping_puts_kl_on_every_token_and_the_reward_on_the_last_real_one():
+    logp = torch.tensor([[-1.0, -2.0, -0.5, 0.0], [-0.3, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    ref_logp = torch.tensor([[-1.5, -1.0, -0.5, 7.0], [-0.1, 9.0, 9.0, 9.0], [0.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
+    kl = kl_estimate(logp, ref_logp, "k3")
+    rewards = kl_shaped_rewards(torch.tensor([1.0, -2.0, 5.0]), kl, mask, 0.1)
+
+    def k3(log_ratio: float) -> float:  # (r - 1) - log r, r = ref / pi
+        return torch.expm1(torch.tensor(-log_ratio)).item() + log_ratio
+
+    expected = [
+        [-0.1 * k3(0.5), -0.1 * k3(-1.0), -0.1 * k3(0.0) + 1.0, 0.0],  # the reward on token 2, the last real one
+        [-0.1 * k3(-0.2) - 2.0, 0.0, 0.0, 0.0],
+        [0.0, 0.0, 0.0, 0.0],  # no valid token: no reward at all
+    ]
+    assert torch.allclose(rewards, torch.tensor(expected), atol=1e-6)
+    assert (kl[mask.bool()] >= 0).all() and rewards[0, 0] < 0 and rewards[0, 1] < 0  # a KL cost on every real token

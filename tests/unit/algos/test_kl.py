@@ -69,3 +69,10 @@ def test_dispatcher():
     assert torch.equal(kl_estimate(logp, logp_ref), kl_k3(logp, logp_ref))
     with pytest.raises(ValueError, match="kind must be one of"):
         kl_estimate(logp, logp_ref, "k4")
+
+
+def test_kl_estimators_by_hand():
+    logp, ref = torch.tensor([-1.0]), torch.tensor([-1.5])  # log ratio 0.5
+    assert kl_estimate(logp, ref, "k1").item() == pytest.approx(0.5)
+    assert kl_estimate(logp, ref, "k2").item() == pytest.approx(0.125)
+    assert kl_estimate(logp, ref, "k3").item() == pytest.approx(torch.exp(torch.tensor(-0.5)).item() - 1 + 0.5)

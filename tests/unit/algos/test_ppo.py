@@ -230,6 +230,44 @@ def test_policy_loss_rejects_bad_arguments():
         ppo_policy_loss(logp, logp_old, advantages, torch.ones(1, 2), clip_eps=0.2)
 
 
+def test_clipped_surrogate_by_hand_with_asymmetric_and_dual_clip():
+    # ratios 1.5, 0.5, 1.1, 5.0; advantages +1, +1, -1, -1; eps_low 0.2, eps_high 0.3, dual clip c = 3
+    logp_old = torch.zeros(1, 4)
+    logp = torch.log(torch.tensor([[1.5, 0.5, 1.1, 5.0]]))
+    advantages = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
+    output = ppo_policy_loss(
+        logp, logp_old, advantages, torch.ones(1, 4), clip_eps=0.2, clip_eps_high=0.3, dual_clip=3.0
+    )
+    # token 0: max(-1.5, -1.3) = -1.3 (clipped at 1.3); token 1: max(-0.5, -0.8) = -0.5 (unclipped)
+    # token 2: max(1.1, 1.1) = 1.1; token 3: max(5, 1.3) = 5, capped by dual clip at -A c = 3
+    assert output.loss.item() == pytest.approx((-1.3 - 0.5 + 1.1 + 3.0) / 4, abs=1e-6)
+    assert output.clip_fraction.item() == pytest.approx(0.5)  # tokens 0 and 3
+    without_dual = ppo_policy_loss(logp, logp_old, advantages, torch.ones(1, 4), clip_eps=0.2, clip_eps_high=0.3)
+    assert without_dual.loss.item() == pytest.approx((-1.3 - 0.5 + 1.1 + 5.0) / 4, abs=1e-6)
+
+
+def test_value_clipping_by_hand():
+    old = torch.tensor([[0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.5, -0.1, 1.0]], requires_grad=True)
+    returns = torch.tensor([[1.0, 1.0, 0.0]])
+    output = value_loss(values, old, returns, torch.ones(1, 3), clip_range=0.2)
+    # token 0: (0.5-1)^2 = 0.25, clipped V = 0.2: (0.2-1)^2 = 0.64 -> 0.64 (clipped branch, no gradient)
+    # token 1: (-0.1-1)^2 = 1.21, clipped V = -0.1 -> 1.21; token 2: 1 and 1 -> 1
+    assert output.loss.item() == pytest.approx(0.5 * (0.64 + 1.21 + 1.0) / 3, abs=1e-6)
+    assert output.clip_fraction.item() == pytest.approx(1 / 3)
+    output.loss.backward()
+    assert values.grad[0, 0].item() == 0.0 and values.grad[0, 1].item() == pytest.approx((-0.1 - 1.0) / 3)
+
+
+def test_explained_variance_cases():
+    mask = torch.tensor([[1, 1, 1, 0]])
+    returns = torch.tensor([[1.0, -1.0, 0.0, 42.0]])  # centred over the valid tokens
+    assert explained_variance(returns, returns, mask).item() == pytest.approx(1.0)  # perfect critic
+    assert explained_variance(torch.zeros(1, 4), returns, mask).item() == pytest.approx(0.0)  # zero critic
+    assert explained_variance(-returns, returns, mask).item() == pytest.approx(-3.0)  # worse than the mean
+    assert explained_variance(torch.zeros(1, 4), torch.ones(1, 4), mask).item() == 0.0  # Var[R] = 0: defined as 0
+
+
 # ----------------------------------------------------------------------------- log-ratio clamp (issue #23, item 3)
 
 

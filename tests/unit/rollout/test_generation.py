@@ -1,5 +1,6 @@
-"""Rollouts: the prompt + response layout and its masks, generation, behaviour log-probs, top_k/top_p
-truncation (top_k 1 is greedy; every sampled token inside the top k / the nucleus), prompt rendering.
+"""Rollouts: generation, behaviour log-probs, top_k/top_p truncation (top_k 1 is greedy; every sampled
+token inside the top k / the nucleus), seeding and metrics. Layout and masks: test_sequences.py; prompt
+rendering: test_prompts.py.
 
 Tolerance of "behaviour log-probs equal a fresh forward": 1e-5 absolute, fp32 on CPU. The behaviour
 log-probs come from a batched forward over left-padded prompts with explicit position ids; the fresh
@@ -8,19 +9,16 @@ forward runs each sequence alone without any padding, so the two differ only in 
 
 from __future__ import annotations
 
-import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from astrai.data.render import RowError
 from astrai.rollout.generation import behaviour_logprobs_source, generate_rollout, rollout_metrics, sampling_seed
-from astrai.rollout.prompts import decode_prompt_row, prompt_batch, render_prompt
+from astrai.rollout.prompts import render_prompt
 from astrai.rollout.sequences import (
     join_sequences,
     left_pad,
-    position_ids,
     response_logprobs,
     response_mask,
     truncated_rows,
@@ -29,7 +27,6 @@ from tests.unit.rollout_fixtures import PlainEngine, tiny_model, tiny_tokenizer
 
 EOS, PAD = 3, 0
 ATOL = 1e-5
-FIELDS = SimpleNamespace(messages_field="messages", prompt_field="prompt")
 
 
 def settings(**changes):
@@ -51,45 +48,6 @@ def model(tokenizer):
 def prompts_of(tokenizer, texts):
     messages = [[{"role": "user", "content": text}] for text in texts]
     return [render_prompt(tokenizer, chat) for chat in messages], messages
-
-
-# ----------------------------------------------------------------------------- masks and layout
-
-
-def test_response_mask_keeps_tokens_through_the_first_eos():
-    responses = torch.tensor(
-        [
-            [5, 6, EOS, PAD, PAD],  # EOS in the middle: the EOS is kept, the padding after it is not
-            [EOS, EOS, EOS, EOS, EOS],  # all EOS (pad == eos tokenizers): only the first counts
-            [5, 6, 7, 8, 9],  # no EOS: cut at max length, every token kept
-            [EOS, 5, 6, EOS, 7],  # immediate EOS: whatever follows is junk
-            [5, 6, 7, 8, EOS],  # EOS exactly at the last column
-        ]
-    )
-    assert response_mask(responses, EOS).tolist() == [
-        [1, 1, 1, 0, 0],
-        [1, 0, 0, 0, 0],
-        [1, 1, 1, 1, 1],
-        [1, 0, 0, 0, 0],
-        [1, 1, 1, 1, 1],
-    ]
-    assert truncated_rows(responses, EOS).tolist() == [False, False, True, False, False]
-    assert response_mask(torch.tensor([[5, 9, 6]]), [9, EOS]).tolist() == [[1, 1, 0]]  # several stop ids
-
-
-def test_left_pad_join_and_positions():
-    prompt_ids, prompt_mask = left_pad([[11, 12, 13], [21]], PAD)
-    assert prompt_ids.tolist() == [[11, 12, 13], [PAD, PAD, 21]]
-    assert prompt_mask.tolist() == [[1, 1, 1], [0, 0, 1]]
-    response_ids = torch.tensor([[5, EOS, PAD], [6, 7, 8]])
-    joined = join_sequences(prompt_ids, prompt_mask, response_ids, response_mask(response_ids, EOS))
-    assert joined["input_ids"].tolist() == [[11, 12, 13, 5, EOS, PAD], [PAD, PAD, 21, 6, 7, 8]]
-    assert joined["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
-    # Positions count attended tokens only: the short prompt's first real token is position 0.
-    assert joined["position_ids"].tolist() == [[0, 1, 2, 3, 4, 4], [0, 0, 0, 1, 2, 3]]
-    assert position_ids(torch.tensor([[0, 1, 1, 0]])).tolist() == [[0, 0, 1, 1]]
-    # Prompt masking: the loss mask covers response columns only; prompt tokens are never trained.
-    assert joined["response_mask"].shape == (2, 3) and joined["response_mask"].tolist() == [[1, 1, 0], [1, 1, 1]]
 
 
 def test_response_logprobs_equal_a_fresh_unpadded_forward(model):
@@ -479,25 +437,3 @@ def test_rollout_metrics_from_global_sums():
     assert record["reward_mean"] == pytest.approx(0.75)
     assert record["reward_std"] == pytest.approx((0.75 - 0.75**2) ** 0.5)  # population std of {1, 0, 1, 1}
     assert record["response_len_mean"] == 2.0 and record["truncated_frac"] == 0.25 and record["reward_exact"] == 0.5
-
-
-# ----------------------------------------------------------------------------- prompt rendering
-
-
-def test_prompt_rows_render_with_generation_prompt_and_keep_every_field(tokenizer):
-    batch = {"prompt": ["1+2=", None], "answer": ["3", "5"], "messages": [None, [{"role": "user", "content": "2+3="}]]}
-    out = prompt_batch(batch, [0, 1], tokenizer=tokenizer, fields=FIELDS, max_len=64, skip_bad=False)
-    ids, messages, row = decode_prompt_row({key: values[0] for key, values in out.items()})
-    assert tokenizer.decode(ids) == "<|im_start|>user\n1+2=<|im_end|>\n<|im_start|>assistant\n"
-    assert messages == [{"role": "user", "content": "1+2="}] and row["answer"] == "3"
-    second = decode_prompt_row({key: values[1] for key, values in out.items()})
-    assert second[1] == [{"role": "user", "content": "2+3="}] and second[2]["answer"] == "5"
-    assert json.loads(out["row"][1])["prompt"] is None and out["bad"] == [False, False]
-
-
-def test_too_long_or_malformed_prompt_is_a_bad_row(tokenizer):
-    batch = {"prompt": ["1+2=" * 20, 7]}
-    with pytest.raises(RowError, match="more than data.max_seq_len=16"):
-        prompt_batch(batch, [0, 1], tokenizer=tokenizer, fields=FIELDS, max_len=16, skip_bad=False)
-    out = prompt_batch(batch, [0, 1], tokenizer=tokenizer, fields=FIELDS, max_len=16, skip_bad=True)
-    assert out["bad"] == [True, True] and out["prompt_ids"] == [[], []]

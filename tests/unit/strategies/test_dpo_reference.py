@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from astrai.build import build_run
 from astrai.config import load_job
 from astrai.engine import FrozenEngine
 from astrai.models.policy import load_causal_lm
-from astrai.models.tokenizer import build_tokenizer
 from astrai.strategies.reference import reference_model
-from tests.conftest import REPO
+from tests.unit.strategies.dpo_fixtures import preference_folder
 
 JOB = """\
 output_dir: {output_dir}
@@ -34,27 +32,7 @@ runtime: {{progress_bar: false, tensorboard: false}}
 def folder(tmp_path_factory):
     """pairs.jsonl (8 shipped pairs) and two tiny HF models sharing one char tokenizer: `start` (the
     policy's starting weights) and `other` (a reference that differs from them)."""
-    folder = tmp_path_factory.mktemp("dpo_reference")
-    lines = (REPO / "data/arithmetic/preference.jsonl").read_text().splitlines(keepends=True)[:8]
-    (folder / "pairs.jsonl").write_text("".join(lines))
-    tokenizer = build_tokenizer("char", ["".join(lines)])
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
-    for seed, name in ((0, "start"), (1, "other")):
-        torch.manual_seed(seed)
-        LlamaForCausalLM(config).save_pretrained(folder / name)
-        tokenizer.save_pretrained(folder / name)  # as an export writes it
-    return folder
+    return preference_folder(tmp_path_factory.mktemp("dpo_reference"), 8, {"start": 0, "other": 1})
 
 
 def make_run(dist, folder, name, *overrides):

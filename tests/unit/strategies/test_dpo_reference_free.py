@@ -10,17 +10,14 @@ import gc
 import math
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from astrai.build import build_run
 from astrai.config import ConfigError
 from astrai.engine import FrozenEngine
 from astrai.metrics import read_metrics
-from astrai.models.tokenizer import build_tokenizer
 from astrai.train import load_and_check
 from astrai.trainer import TRAIN_LOOPS
-from tests.conftest import REPO
+from tests.unit.strategies.dpo_fixtures import preference_folder
 
 STEPS = 8
 JOB = """\
@@ -38,26 +35,7 @@ runtime: {{progress_bar: false, tensorboard: false}}
 def folder(tmp_path_factory):
     """pairs.jsonl (4 shipped pairs, one micro-batch: every step sees the same pairs, so the loss must fall)
     and a tiny HF model `start` with its char tokenizer."""
-    folder = tmp_path_factory.mktemp("dpo_reference_free")
-    lines = (REPO / "data/arithmetic/preference.jsonl").read_text().splitlines(keepends=True)[:4]
-    (folder / "pairs.jsonl").write_text("".join(lines))
-    tokenizer = build_tokenizer("char", ["".join(lines)])
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder / "start")
-    tokenizer.save_pretrained(folder / "start")
-    return folder
+    return preference_folder(tmp_path_factory.mktemp("dpo_reference_free"), 4, {"start": 0})
 
 
 def write_config(folder, name: str) -> str:

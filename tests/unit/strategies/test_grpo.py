@@ -19,7 +19,7 @@ from astrai.rollout.rewards import WeightedReward
 from astrai.rollout.sequences import response_logprobs
 from astrai.strategies.grpo import GrpoStrategy
 from astrai.strategies.online import batch_geometry
-from tests.unit.rollout_fixtures import PlainEngine, tiny_model, tiny_tokenizer
+from tests.unit.rollout_fixtures import LengthReward, PlainEngine, tiny_model, tiny_tokenizer
 
 
 def job(**sections) -> JobConfig:
@@ -40,13 +40,6 @@ def job(**sections) -> JobConfig:
 @pytest.fixture(scope="module")
 def tokenizer():
     return tiny_tokenizer()
-
-
-class LengthReward:
-    name = "length"
-
-    def __call__(self, inputs):
-        return [float(len(text)) for text in inputs["responses"]]
 
 
 def strategy_with(config: JobConfig, tokenizer, policy, reference=None, world=1):
