@@ -157,9 +157,9 @@ def carry_over(
         return
     if changed:
         logger.warning(
-            "data position: continuing from global sample count %d (rule: the global sample count carries over, rounded up to "
-            "this run's global micro-batch of %d samples = %d per rank x world size %d; world size %d -> %d, "
-            "train.micro_batch_size %s -> %d, %d samples consumed)",
+            "data position: continuing from global sample count %d (rule: the global sample count carries over, "
+            "rounded up to this run's global micro-batch of %d samples = %d per rank x world size %d; world size %d "
+            "-> %d, train.micro_batch_size %s -> %d, %d samples consumed)",
             state.consumed_samples,
             samples_per_micro_step,
             samples_per_micro_step // world_size,
@@ -177,14 +177,15 @@ def carry_over(
             else f"{len(state.rng)} RNG states saved for {world_size} ranks"
         )
         logger.warning(
-            "RNG reseeded per rank from (seed, step, rank): %s (rule: per-rank RNG state cannot carry over; python random, "
-            "numpy and torch of rank r seeded with seed*7919 + step*31 + r = %d + r)",
+            "RNG reseeded per rank from (seed, step, rank): %s (rule: per-rank RNG state cannot carry over; python "
+            "random, numpy and torch of rank r seeded with seed*7919 + step*31 + r = %d + r)",
             why,
             base,
         )
     elif changed:
         logger.warning(
-            "RNG: each rank's saved state restored (rule: the world size is unchanged, so rank r continues its own stream)"
+            "RNG: each rank's saved state restored (rule: the world size is unchanged, so rank r continues its own "
+            "stream)"
         )
 
 
