@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from astrai.data.render import RowError
-from astrai.rollout.generation import behaviour_logprobs_source, generate_rollout, rollout_metrics, sampling_seed
+from astrai.rollout.generation import behaviour_logprobs_source, generate_rollout, sampling_seed
 from astrai.rollout.prompts import decode_prompt_row, prompt_batch, render_prompt
 from astrai.rollout.sequences import (
     join_sequences,
@@ -25,6 +25,7 @@ from astrai.rollout.sequences import (
     response_mask,
     truncated_rows,
 )
+from astrai.step_metrics import rollout_metrics
 from tests.unit.rollout_fixtures import PlainEngine, tiny_model, tiny_tokenizer
 
 EOS, PAD = 3, 0
