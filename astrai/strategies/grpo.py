@@ -142,6 +142,6 @@ class GrpoStrategy(OnlineStrategy):
             sums["kl"] = float(masked_sum(batch["reward_kl"], mask))
         with torch.no_grad():
             sums["entropy"] = float(masked_sum(entropy_from_logits(logits.detach()), mask))
-        sums["loss"] = float(loss.detach()) * normalizer  # the sum of this micro-batch's unit losses
+        sums["loss"] = self.unit_sum(loss, normalizer)
         loss = loss + self.router_aux_loss(policy, output, self.loss_weight(batch), normalizer, sums, tokens)
         return StepOutput(loss, sums)

@@ -253,6 +253,12 @@ class OnlineStrategy(Strategy):
             return {"aggregation": "global", "global_token_count": normalizer}
         return {"aggregation": "global_sequence", "global_sequence_count": normalizer}
 
+    @staticmethod
+    def unit_sum(loss: torch.Tensor, normalizer: float) -> float:
+        """The sum of the micro-batch's unit losses behind `loss` (= that sum / normalizer, see `aggregation`):
+        what a loss metric sums, so that `step_metrics` divides it by the step's loss units once."""
+        return float(loss.detach()) * normalizer
+
     def _aggregate(self, per_token: torch.Tensor, mask: torch.Tensor, normalizer: float) -> torch.Tensor:
         """Sum of this micro-batch's unit losses / normalizer (see `loss_weight`)."""
         arguments = self.aggregation(normalizer)

@@ -221,7 +221,7 @@ class PPOStrategy(OnlineStrategy):
             loss = loss - settings.entropy_coef * self._aggregate(entropy, mask, normalizer)
         tokens = float(mask.sum())
         sums = {
-            "policy_loss": float(policy_loss.detach()) * normalizer,
+            "policy_loss": self.unit_sum(policy_loss, normalizer),
             "clip_frac": float(surrogate.clip_fraction) * tokens,
             "approx_kl": float(surrogate.approx_kl) * tokens,
             "entropy": float(masked_sum(entropy.detach(), mask)),
@@ -232,7 +232,7 @@ class PPOStrategy(OnlineStrategy):
             kl = kl_estimate(logprobs, batch["reference_logprobs"], kind, max_log_ratio=settings.kl_max_log_ratio)
             loss = loss + self.loss_kl_coef * self._aggregate(kl, mask, normalizer)
             sums["kl"] = float(masked_sum(kl.detach(), mask))
-        sums["loss"] = float(loss.detach()) * normalizer
+        sums["loss"] = self.unit_sum(loss, normalizer)
         loss = loss + self.router_aux_loss(policy, output, self.loss_weight(batch), normalizer, sums, tokens)
         return StepOutput(loss, sums)
 
@@ -251,7 +251,7 @@ class PPOStrategy(OnlineStrategy):
         )
         loss = regression.loss
         sums = {
-            "value_loss": float(loss.detach()) * normalizer,
+            "value_loss": self.unit_sum(loss, normalizer),
             "value_clip_frac": float(regression.clip_fraction) * float(mask.sum()),
         }
         return StepOutput(settings.vf_coef * loss, sums)

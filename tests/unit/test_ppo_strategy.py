@@ -1,5 +1,5 @@
 """online_ppo without DeepSpeed: the ValueModel critic (zero head, trunk parity, folder layout, the policy
-class untouched), frozen targets pinned on the RolloutResult and unchanged across replay epochs, the
+class untouched), frozen targets pinned in PPOTargets (not on the rollout) and unchanged across replay epochs, the
 losses by hand, dual-clip and the entropy bonus through compute_loss, advantage whitening, KL in the reward or
 the loss, the adaptive KL coefficient, reward preprocessing, config."""
 
