@@ -24,11 +24,11 @@ import logging
 import os
 import shutil
 import sys
-import uuid
 from pathlib import Path
 
 import torch
 
+from astrai import safe_write
 from astrai.errors import AstraiError
 
 logger = logging.getLogger("astrai.export")
@@ -175,7 +175,8 @@ def critic_skeleton(job, tokenizer):
         trunk = trunk_of(build_skeleton(job, tokenizer))
     elif not Path(job.critic.path).is_dir():
         raise ExportError(
-            f"critic.path {job.critic.path!r} of the job is not a folder here: its config.json gives the critic's architecture"
+            f"critic.path {job.critic.path!r} of the job is not a folder here: its config.json gives the critic's "
+            "architecture"
         )
     else:
         with torch.device("meta"):
@@ -230,7 +231,7 @@ def prepare_state(state: dict[str, torch.Tensor], model, dtype: torch.dtype) -> 
 def part_weights(folder: Path) -> dict[str, torch.Tensor]:
     """Full fp32 weights of one part: a portable form's fp32.safetensors as is (`python -m astrai
     convert`, or a resume on another topology), else DeepSpeed's own consolidation of its shards."""
-    from astrai.portable import INFO_FILE
+    from astrai.resume.portable import INFO_FILE
 
     if (folder / INFO_FILE).is_file():
         from safetensors.torch import load_file
@@ -309,17 +310,12 @@ def fsync_tree(folder: Path) -> None:
     for directory, _, names in os.walk(folder):
         for name in names:
             os.chmod(Path(directory) / name, 0o666 & ~umask)
-            fsync_path(Path(directory) / name)
-        fsync_path(Path(directory))
+    safe_write.fsync_tree(folder)
 
 
 def fsync_path(path: Path) -> None:
     """A file's or a directory's data and entry on stable storage."""
-    descriptor = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if path.is_dir() else 0))
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+    safe_write.fsync_path(path)
 
 
 RUN_FOLDER_MARKERS = ("checkpoints", "metrics.jsonl", "job.yaml")  # what a training run writes into its output_dir
@@ -373,7 +369,7 @@ def checkpoint_below(folder: Path) -> Path | None:
 
 def remove_stale_staging(destination: Path) -> None:
     """Staging folders of crashed exports to the same destination: never loadable, only disk space."""
-    for stale in destination.parent.glob(f".{destination.name}.staging-*"):
+    for stale in safe_write.stale_staging(destination):
         logger.warning("removing %s, left by an interrupted export", stale)
         shutil.rmtree(stale, ignore_errors=True)
 
@@ -389,22 +385,7 @@ def publish(staging: Path, destination: Path, overwrite: bool) -> None:
     the destination name always holds one complete export (or, for an instant, none)."""
     check_destination(destination, overwrite)  # again: another process may have written meanwhile
     fsync_tree(staging)
-    retired = None
-    if destination.is_dir():
-        if any(destination.iterdir()):
-            retired = destination.with_name(f".{destination.name}.retired-{uuid.uuid4().hex}")
-            os.rename(destination, retired)
-        else:
-            destination.rmdir()
-    try:
-        os.rename(staging, destination)
-    except BaseException:
-        if retired is not None:  # put the earlier export back rather than leave no destination
-            os.rename(retired, destination)
-        raise
-    fsync_path(destination.parent)
-    if retired is not None:
-        shutil.rmtree(retired)
+    safe_write.swap_in(staging, destination)
 
 
 def write_export(model, tokenizer, destination: Path, overwrite: bool, max_shard_size: str | int, bar) -> None:
@@ -412,16 +393,11 @@ def write_export(model, tokenizer, destination: Path, overwrite: bool, max_shard
     on any failure the staging folder goes, and the destination is as it was."""
     destination.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(destination)
-    staging = destination.with_name(f".{destination.name}.staging-{uuid.uuid4().hex}")
-    staging.mkdir()
-    try:
+    with safe_write.staging_folder(destination) as staging:
         with phase(bar, "writing shards"):
             write_files(model, tokenizer, staging, max_shard_size)
         with phase(bar, "flushing to disk"):
             publish(staging, destination, overwrite)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -452,7 +428,15 @@ def export_checkpoint(
     tokenizer = load_export_tokenizer(job, checkpoint, tokenizer_dir)
     from astrai.export_lora import lora_record
 
-    if (lora := lora_record(checkpoint, part, adapter)) is not None:
+    lora = lora_record(checkpoint, part)
+    if adapter and lora is None:
+        raise ExportError(
+            f"--adapter: the {part} of {checkpoint} has no LoRA adapter (its run trained every weight, without "
+            f"{'model' if part == 'policy' else 'critic'}.lora): export it without --adapter"
+        )
+    if adapter and part == "critic":
+        raise ExportError("--adapter: a critic's adapter has no PEFT base class to load it into; export it merged")
+    if lora is not None:
         return export_lora_part(
             job, tokenizer, checkpoint, destination, part, lora, adapter, dtype, overwrite, max_shard_size
         )
@@ -477,15 +461,51 @@ def export_checkpoint(
 
 def export_lora_part(job, tokenizer, checkpoint, destination, part, lora, adapter, dtype, overwrite, max_shard_size):
     """A LoRA part: its base rebuilt, the adapter merged into it (or, `adapter`, PEFT's adapter folder)."""
-    from astrai.export_lora import lora_export_model
-
-    model = lora_export_model(job, tokenizer, checkpoint, part, lora, adapter=adapter, dtype=DTYPES[dtype])
+    model = adapted_model(job, tokenizer, checkpoint, part, lora, adapter=adapter, dtype=DTYPES[dtype])
     if part == "policy" and not adapter:
         set_generation_config(model, tokenizer, job)
     write_export(model, tokenizer, destination, overwrite, max_shard_size, progress_bar(model, False))
     kind = "PEFT adapter" if adapter else "LoRA merged into its base"
     logger.info("exported %s (%s, %s, %s) to %s", checkpoint, part, kind, dtype, destination)
     return destination
+
+
+def adapted_model(job, tokenizer, checkpoint: Path, part: str, lora: dict, *, adapter: bool, dtype):
+    """A LoRA part's merged model (or adapter folder), astrai/export_lora.py's, with its errors as ExportError."""
+    from astrai.export_lora import lora_export_model
+    from astrai.models.lora import LoraError
+
+    try:
+        state = part_weights(checkpoint / part)
+    except (OSError, ValueError, KeyError) as error:
+        raise ExportError(f"cannot read the DeepSpeed weights in {checkpoint / part}: {error}") from None
+    try:
+        return lora_export_model(
+            job, tokenizer, checkpoint, part, lora, state, adapter=adapter, dtype=dtype, load_start=load_policy_state
+        )
+    except LoraError as error:
+        raise ExportError(str(error)) from None
+
+
+def policy_state(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's policy as full fp32 weights: its own, or for a LoRA run its base with the adapter merged
+    (what `model.init_from_checkpoint` starts from)."""
+    from astrai.export_lora import lora_record
+
+    lora = lora_record(checkpoint, "policy")
+    if lora is None:
+        return part_weights(checkpoint / "policy")
+    job = load_checkpoint_job(checkpoint)
+    tokenizer = load_export_tokenizer(job, checkpoint, None)
+    return dict(
+        adapted_model(job, tokenizer, checkpoint, "policy", lora, adapter=False, dtype=torch.float32).state_dict()
+    )
+
+
+def load_policy_state(model, path: str | Path) -> None:
+    """`policy_state` of the checkpoint `path` names (a step folder or an output_dir) into `model`."""
+    state = prepare_state(policy_state(resolve_checkpoint(path)), model, torch.float32)
+    load_weights(model, state, torch.float32)
 
 
 def export_finished_run(job) -> Path:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from astrai.export import ExportError, part_weights
 from astrai.models.lora import (
     LoraError,
     apply_lora,
@@ -27,24 +26,15 @@ from astrai.models.lora import (
 logger = logging.getLogger("astrai.export")
 
 
-def lora_record(checkpoint: Path, part: str, adapter: bool) -> dict | None:
-    """The manifest's LoRA record of `part` ({"base", "settings"}), or None for a full fine-tuning part;
-    `--adapter` of a part without an adapter is refused, saying so."""
+def lora_record(checkpoint: Path, part: str) -> dict | None:
+    """The manifest's LoRA record of `part` ({"base", "settings"}), or None for a full fine-tuning part."""
     from astrai.checkpoint import CheckpointError, read_manifest
 
     try:
         manifest = read_manifest(checkpoint)
     except CheckpointError:  # unreadable: the verification reported it already, or --no-verify asked to go on
-        manifest = None
-    record = ((manifest.meta.get("lora") or {}) if manifest is not None else {}).get(part)
-    if adapter and record is None:
-        raise ExportError(
-            f"--adapter: the {part} of {checkpoint} has no LoRA adapter (its run trained every weight, without "
-            f"{'model' if part == 'policy' else 'critic'}.lora): export it without --adapter"
-        )
-    if adapter and part == "critic":
-        raise ExportError("--adapter: a critic's adapter has no PEFT base class to load it into; export it merged")
-    return record
+        return None
+    return ((manifest.meta.get("lora") or {}) if manifest is not None else {}).get(part)
 
 
 class AdapterFolder:
@@ -60,9 +50,9 @@ class AdapterFolder:
         self.model.save_pretrained(str(folder))
 
 
-def base_model(job, tokenizer, part: str) -> tuple[torch.nn.Module, dict]:
-    """The part's base model with real weights (fp32, plain: no engine) and its identity."""
-    from astrai.models.checkpoint_weights import load_checkpoint_weights
+def base_model(job, tokenizer, part: str, load_start) -> tuple[torch.nn.Module, dict]:
+    """The part's base model with real weights (fp32, plain: no engine) and its identity. `load_start(model,
+    path)`: puts `model.init_from_checkpoint`'s policy weights into the model (astrai/export.py's)."""
     from astrai.models.policy import ModelError, build_policy
     from astrai.models.value import build_value_model
 
@@ -76,32 +66,28 @@ def base_model(job, tokenizer, part: str) -> tuple[torch.nn.Module, dict]:
                 return model, critic_base_identity(job, model)
             model = build_policy(model_config, tokenizer, job.train.seed)
             if model_config.init_from_checkpoint is not None:
-                load_checkpoint_weights(model, model_config.init_from_checkpoint)
+                load_start(model, model_config.init_from_checkpoint)
     except (ModelError, OSError, ValueError) as error:
-        raise ExportError(f"cannot rebuild the base model of the job: {error}") from None
+        raise LoraError(f"cannot rebuild the base model of the job: {error}") from None
     return model, base_model_identity(model_config, job.train.seed, model)
 
 
-def lora_export_model(job, tokenizer, checkpoint: Path, part: str, record: dict, *, adapter: bool, dtype):
-    """The model `write_export` saves: the merged part, or (`adapter`) the adapter folder."""
+def lora_export_model(job, tokenizer, checkpoint: Path, part: str, record: dict, state: dict, **options):
+    """The model `write_export` saves: the part's base with the adapter weights `state` merged in, or
+    (options `adapter`) the adapter folder; options `dtype` and `load_start` (see `base_model`).
+    LoraError when the base differs from the manifest's or the weights do not fit."""
     from astrai.config.schema import LoraSection
 
-    model, identity = base_model(job, tokenizer, part)
-    try:
-        check_same_base({part: record}, {part: {"base": identity}}, checkpoint)
-    except LoraError as error:
-        raise ExportError(str(error)) from None
+    adapter, dtype = options.get("adapter", False), options["dtype"]
+    model, identity = base_model(job, tokenizer, part, options["load_start"])
+    check_same_base({part: record}, {part: {"base": identity}}, checkpoint)
     settings = LoraSection(**record["settings"])
     keep = ("value_head",) if part == "critic" else ()
     wrapped = apply_lora(model, settings, identity, key=f"{part} adapter", keep_trainable=keep)
-    try:
-        state = part_weights(checkpoint / part)
-    except (OSError, ValueError, KeyError) as error:
-        raise ExportError(f"cannot read the DeepSpeed weights in {checkpoint / part}: {error}") from None
     trainable = {name for name, parameter in wrapped.named_parameters() if parameter.requires_grad}
     missing, unexpected = sorted(trainable - set(state)), sorted(set(state) - trainable)
     if missing or unexpected:
-        raise ExportError(
+        raise LoraError(
             f"{checkpoint / part}: the adapter's weights do not fit the job's LoRA model: missing {missing[:3]}, "
             f"unexpected {unexpected[:3]}"
         )
@@ -115,17 +101,3 @@ def lora_export_model(job, tokenizer, checkpoint: Path, part: str, record: dict,
     if hasattr(merged.config, "use_cache"):
         merged.config.use_cache = True
     return merged
-
-
-def merged_policy_weights(checkpoint: Path) -> dict[str, torch.Tensor] | None:
-    """A LoRA checkpoint's policy as full fp32 weights (its base with the adapter merged), for
-    `model.init_from_checkpoint`; None for a full fine-tuning checkpoint (its own weights serve)."""
-    from astrai.export import load_checkpoint_job, load_export_tokenizer
-
-    record = lora_record(checkpoint, "policy", adapter=False)
-    if record is None:
-        return None
-    job = load_checkpoint_job(checkpoint)
-    tokenizer = load_export_tokenizer(job, checkpoint, None)
-    model = lora_export_model(job, tokenizer, checkpoint, "policy", record, adapter=False, dtype=torch.float32)
-    return dict(model.state_dict())
