@@ -72,14 +72,15 @@ def base_model(job, tokenizer, part: str, load_start) -> tuple[torch.nn.Module, 
     return model, base_model_identity(model_config, job.train.seed, model)
 
 
-def lora_export_model(job, tokenizer, checkpoint: Path, part: str, record: dict, state: dict, **options):
+def lora_export_model(
+    job, tokenizer, checkpoint: Path, part: str, record: dict, state: dict, *, adapter: bool, dtype, load_start
+):
     """The model `write_export` saves: the part's base with the adapter weights `state` merged in, or
-    (options `adapter`) the adapter folder; options `dtype` and `load_start` (see `base_model`).
-    LoraError when the base differs from the manifest's or the weights do not fit."""
+    (`adapter`) the adapter folder, in `dtype`; `load_start`: see `base_model`. LoraError when the base
+    differs from the one the manifest's `record` names, or the weights do not fit."""
     from astrai.config.schema import LoraSection
 
-    adapter, dtype = options.get("adapter", False), options["dtype"]
-    model, identity = base_model(job, tokenizer, part, options["load_start"])
+    model, identity = base_model(job, tokenizer, part, load_start)
     check_same_base({part: record}, {part: {"base": identity}}, checkpoint)
     settings = LoraSection(**record["settings"])
     keep = ("value_head",) if part == "critic" else ()
