@@ -13,6 +13,7 @@ import numpy
 import torch
 
 from astrai.config import JobConfig, resolve_template
+from astrai.data.packing import check_packing_job
 from astrai.data.sampler import ShardedOrder
 from astrai.data.sources import iter_texts, load_rows
 from astrai.engine import (
@@ -210,6 +211,7 @@ def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
         job, source, lr=job.train.lr, max_grad_norm=job.train.max_grad_norm, world_size=dist.world_size
     )
     model = build_policy_model(job, ds_config, tokenizer)
+    check_packing_job(job, model)
     # DeepSpeed steps the schedule once per optimizer update; an online step (one rollout) makes several.
     # The policy does not step during online_ppo's critic warmup rollouts, so its schedule spans the rest.
     updates = strategy.optimizer_steps_per_step(dist.world_size)
