@@ -16,6 +16,7 @@ from astrai.config import JobConfig, resolve_template
 from astrai.data.packing import check_packing_job
 from astrai.data.sampler import ShardedOrder
 from astrai.data.sources import iter_texts, load_rows
+from astrai.data.token_order import TokenBalancedOrder, make_order
 from astrai.engine import (
     DistInfo,
     Engine,
@@ -51,7 +52,7 @@ class Run:
     tokenizer: object
     strategy: Strategy
     dataset: datasets.Dataset
-    order: ShardedOrder
+    order: ShardedOrder | TokenBalancedOrder
     total_steps: int
     engines: dict[str, Engine]
     skipped_rows: int
@@ -201,12 +202,13 @@ def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
     dataset, skipped = prepare_dataset(strategy, rows, dist.is_main)
     if skipped:
         logger.warning("skipped %d malformed rows (data.on_bad_row: skip)", skipped)
-    order = ShardedOrder(
-        len(dataset), job.train.micro_batch_size, dist.world_size, dist.rank, job.train.seed, job.data.shuffle
-    )
-    steps = total_steps(
-        job, order.samples_per_epoch, job.train.micro_batch_size * job.train.grad_accum_steps * dist.world_size
-    )
+    order = make_order(job, dataset, dist)  # data.packing: TokenBalancedOrder
+    if job.data.packing:
+        steps = job.train.max_steps or order.steps_for_epochs(job.train.epochs)
+    else:
+        steps = total_steps(
+            job, order.samples_per_epoch, job.train.micro_batch_size * job.train.grad_accum_steps * dist.world_size
+        )
     ds_config = engine_config(
         job, source, lr=job.train.lr, max_grad_norm=job.train.max_grad_norm, world_size=dist.world_size
     )

@@ -148,17 +148,18 @@ def train_offline(run: Run) -> TrainerState:
         tensorboard=job.runtime.tensorboard,
         progress_bar=job.runtime.progress_bar,
     )
-    batches = run.order.micro_batches(state.consumed_samples)
+    steps = run.order.steps(state.consumed_samples, accumulation)  # rows, or token-balanced with data.packing
     run_started = time.perf_counter() - state.elapsed_s
     policy.train()
     try:
         for step in range(state.step + 1, run.total_steps + 1):
             step_started = time.perf_counter()
-            micro_batches = [strategy.collate([run.dataset[i] for i in next(batches)]) for _ in range(accumulation)]
+            indices, consumed = next(steps)
+            micro_batches = [strategy.collate([run.dataset[i] for i in micro]) for micro in indices]
             lr = policy.lr
             sums = offline_update(run, micro_batches)
             state.step, state.policy_version = step, step
-            state.consumed_samples += run.samples_per_step
+            state.consumed_samples += consumed
             state.epoch = run.order.epoch_of(state.consumed_samples)
             totals = _global_sums(sums, run.dist.device)
             step_seconds = time.perf_counter() - step_started
