@@ -21,8 +21,10 @@ import torch
 
 from astrai.errors import AstraiError
 
+# sdpa one packed row at a time (astrai/models/segment_attention.py): what a policy running sdpa switches to.
+SEGMENT_ATTENTION = "astrai_segment_sdpa"
 # Attention implementations of transformers that keep packed rows apart from position_ids alone.
-PACKING_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+PACKING_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", SEGMENT_ATTENTION)
 
 
 class PackingError(AstraiError, ValueError):
@@ -32,9 +34,7 @@ class PackingError(AstraiError, ValueError):
 def check_packing_attention(model, key: str) -> None:
     """Refuse packing (`key` names the setting) for an attention implementation that would let rows attend
     to each other; called on the built model, before the first step."""
-    module = getattr(model, "module", model)
-    config = getattr(module, "config", None)
-    implementation = getattr(config, "_attn_implementation", None)
+    implementation = attention_of(model)
     if implementation not in PACKING_ATTENTION:
         raise PackingError(
             f"{key}: true needs an attention implementation that keeps packed rows apart "
@@ -52,6 +52,10 @@ def check_packing_job(job, model) -> None:
     ):
         if value:
             check_packing_attention(model, key)
+    if job.data.packing or job.rl.packing:
+        from astrai.models.segment_attention import use_segment_attention
+
+        use_segment_attention(model)  # sdpa: each packed row alone, as flash_attention_2's varlen path
 
 
 def row_positions(lengths: list[int]) -> torch.Tensor:
@@ -80,18 +84,36 @@ def is_packed(batch: dict) -> bool:
     return "position_ids" in batch and "sequence_lengths" in batch
 
 
-def model_inputs(batch: dict) -> dict[str, torch.Tensor | None]:
+def model_inputs(batch: dict, model=None) -> dict[str, torch.Tensor | None]:
     """The forward's keywords: a packed batch (or `seq`'s document mask) goes as input_ids + position_ids with
     attention_mask None, the signal transformers reads packed rows from; a padded one as input_ids +
-    attention_mask."""
-    if "position_ids" in batch:
-        return {
-            "input_ids": batch["input_ids"],
-            "attention_mask": None,
-            "position_ids": batch["position_ids"],
-            "use_cache": False,  # with a cache (the default of a model in eval mode) transformers never looks
-        }
-    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    attention_mask. A `model` switched to SEGMENT_ATTENTION also gets the rows' boundaries (cu_seq_lens_q/k,
+    the keywords of transformers' flash varlen path)."""
+    if "position_ids" not in batch:
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    inputs = {
+        "input_ids": batch["input_ids"],
+        "attention_mask": None,
+        "position_ids": batch["position_ids"],
+        "use_cache": False,  # with a cache (the default of a model in eval mode) transformers never looks
+    }
+    if "sequence_lengths" in batch and attention_of(model) == SEGMENT_ATTENTION:
+        inputs.update(segment_keywords(batch["sequence_lengths"].to(batch["input_ids"].device)))
+    return inputs
+
+
+def segment_keywords(lengths: torch.Tensor) -> dict:
+    """cu_seq_lens_q/k [rows + 1] (int32) and max_length_q/k of a packed row of rows `lengths`."""
+    edges = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=lengths.device)
+    edges[1:] = torch.cumsum(lengths, 0)
+    longest = int(lengths.max())
+    return {"cu_seq_lens_q": edges, "cu_seq_lens_k": edges, "max_length_q": longest, "max_length_k": longest}
+
+
+def attention_of(model) -> str | None:
+    """The attention implementation of a transformers model, an engine around one, or None."""
+    module = getattr(model, "module", model)
+    return getattr(getattr(module, "config", None), "_attn_implementation", None)
 
 
 def document_positions(input_ids: torch.Tensor, eos_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from astrai.data.packing import SEGMENT_ATTENTION, attention_of, segment_keywords
+
 
 def pack_padded(sequences: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     """Padded sequences -> (packed forward inputs [1, T], keep [K], scored [N, R] bool).
@@ -47,6 +49,8 @@ def unpack(outputs: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
 def packed_response_forward(model, sequences: dict[str, torch.Tensor], keeps_logits: bool, **options):
     """(response logits [N, R, vocab] before temperature and vocabulary cut, the model's output)."""
     inputs, keep, scored = pack_padded(sequences)
+    if attention_of(model) == SEGMENT_ATTENTION:  # a policy switched to sdpa one row at a time
+        inputs.update(segment_keywords(sequences["attention_mask"].sum(dim=1)))
     if keeps_logits:
         output = model(**inputs, use_cache=False, **options, logits_to_keep=keep)
         logits = output.logits[0]

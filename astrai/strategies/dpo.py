@@ -46,7 +46,7 @@ def completion_logprobs(model, batch: dict, average: bool = False, vocab_size: i
 def completion_forward(model, batch: dict, average: bool = False, vocab_size: int | None = None, **options):
     """`completion_logprobs` [2B] and the model's whole output (e.g. a router's `aux_loss`); `options` go to
     the forward."""
-    output = model(**model_inputs(batch), **options)
+    output = model(**model_inputs(batch, model), **options)
     logits = real_vocabulary(output.logits, vocab_size)
     shifted_logits, labels, mask = shift_for_next_token(logits, batch["input_ids"], batch["loss_mask"])
     token_logps = token_logprobs(shifted_logits, labels)

@@ -40,7 +40,7 @@ class LanguageModelingStrategy(Strategy):
         load-balancing term (`router_aux_loss`); the logged `loss` is the cross-entropy alone.
         """
         options = self.router_options(policy)  # a mixture of experts returns its load-balancing loss
-        output = policy(**model_inputs(batch), **options)
+        output = policy(**model_inputs(batch, policy), **options)
         loss_sum, count = next_token_cross_entropy_sum(output.logits, batch["input_ids"], batch["loss_mask"])
         sums = {"loss": float(loss_sum.detach()), "weight": float(count)}
         router = self.router_aux_loss(policy, output, float(count), normalizer, sums, float(count))

@@ -9,12 +9,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from astrai.config import load_job
 from astrai.data.packing import (
+    SEGMENT_ATTENTION,
     PackingError,
     check_packing_attention,
     document_positions,
     model_inputs,
     pack_sequences,
 )
+from astrai.models.segment_attention import use_segment_attention
 from astrai.models.tokenizer import build_tokenizer
 from astrai.strategies.dpo import DpoStrategy
 from astrai.strategies.language_modeling import SeqStrategy, SftStrategy
@@ -29,6 +31,9 @@ train: {{train_type: {train_type}, micro_batch_size: 3, max_steps: 1}}
 
 
 def tiny_model(vocab_size: int, attention: str = "sdpa") -> LlamaForCausalLM:
+    """A 2-layer fp32 Llama; attention "segment": sdpa switched to astrai's one-row-at-a-time sdpa."""
+    segment = attention == "segment"
+    attention = "sdpa" if segment else attention
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=vocab_size,
@@ -40,7 +45,10 @@ def tiny_model(vocab_size: int, attention: str = "sdpa") -> LlamaForCausalLM:
         max_position_embeddings=64,
         attn_implementation=attention,
     )
-    return LlamaForCausalLM(config).float()
+    model = LlamaForCausalLM(config).float()
+    if segment:
+        assert use_segment_attention(model) and model.config._attn_implementation == SEGMENT_ATTENTION
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +80,7 @@ def assert_same(padded, packed):
         assert packed_output.sums[key] == pytest.approx(value, abs=1e-4), key
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("attention", ["sdpa", "eager", "segment"])
 @pytest.mark.parametrize("mode", ["train", "eval"])
 def test_packed_row_logits_equal_each_row_alone(attention, mode):
     """transformers keeps packed rows apart from position_ids alone (attention_mask None, no cache), in
@@ -81,12 +89,28 @@ def test_packed_row_logits_equal_each_row_alone(attention, mode):
     rows = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14, 15, 16]]
     batch = pack_sequences(rows, [[1] * len(row) for row in rows])
     with torch.no_grad():
-        packed = model(**model_inputs(batch)).logits[0]
+        packed = model(**model_inputs(batch, model)).logits[0]
         start = 0
         for row in rows:
             alone = model(input_ids=torch.tensor([row])).logits[0]
             torch.testing.assert_close(packed[start : start + len(row)], alone, atol=1e-5, rtol=0)
             start += len(row)
+
+
+def test_segment_attention_reads_the_row_boundaries():
+    """The one-row-at-a-time sdpa takes its rows from cu_seq_lens: told the packed row is one row, it lets the
+    rows attend to each other (so the equality above is its own work, not transformers' mask)."""
+    model = tiny_model(40, "segment").eval()
+    rows = [[3, 4, 5, 6, 7], [8, 9, 10]]
+    inputs = model_inputs(pack_sequences(rows, [[1] * 5, [1] * 3]), model)
+    assert inputs["cu_seq_lens_q"].tolist() == [0, 5, 8]
+    with torch.no_grad():
+        apart = model(**inputs).logits[0, 5:]
+        inputs["cu_seq_lens_q"] = inputs["cu_seq_lens_k"] = torch.tensor([0, 8], dtype=torch.int32)
+        together = model(**inputs).logits[0, 5:]
+        alone = model(input_ids=torch.tensor([rows[1]])).logits[0]
+    torch.testing.assert_close(apart, alone, atol=1e-5, rtol=0)
+    assert (together - alone).abs().max() > 1e-3
 
 
 def test_an_attention_that_cannot_keep_rows_apart_is_refused():
@@ -111,8 +135,9 @@ SFT_ROWS = [
 ]
 
 
-def test_sft_packed_loss_and_gradients_equal_padded(tmp_path, tokenizer):
-    model = tiny_model(len(tokenizer)).train()
+@pytest.mark.parametrize("attention", ["sdpa", "segment"])
+def test_sft_packed_loss_and_gradients_equal_padded(tmp_path, tokenizer, attention):
+    model = tiny_model(len(tokenizer), attention).train()
     padded = strategy(SftStrategy, tmp_path, tokenizer, "sft")
     packed = strategy(SftStrategy, tmp_path, tokenizer, "sft", "data.packing=true")
     padded_batch, packed_batch = padded.collate(SFT_ROWS), packed.collate(SFT_ROWS)
@@ -177,9 +202,9 @@ DPO_ROWS = [
 ]
 
 
-@pytest.mark.parametrize("loss", ["sigmoid", "ipo", "simpo"])
-def test_dpo_packed_loss_and_gradients_equal_padded(tmp_path, tokenizer, loss):
-    model = tiny_model(len(tokenizer)).train()
+@pytest.mark.parametrize(("loss", "attention"), [("sigmoid", "sdpa"), ("ipo", "sdpa"), ("simpo", "segment")])
+def test_dpo_packed_loss_and_gradients_equal_padded(tmp_path, tokenizer, loss, attention):
+    model = tiny_model(len(tokenizer), attention).train()
     rows = [dict(row) for row in DPO_ROWS]
     if loss == "simpo":
         rows = [{k: v for k, v in row.items() if not k.startswith("reference")} for row in rows]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from astrai.algos import FixedKLController
+from astrai.models.segment_attention import use_segment_attention
 from astrai.models.value import ValueModel, trunk_of
 from astrai.rollout.generation import generate_rollout
 from astrai.rollout.packed import pack_padded
@@ -105,6 +106,20 @@ def test_packed_response_logits_equal_padded(rollout_and_models, temperature):
         padded = response_forward(policy, sequences, temperature, 40)[0]
         packed = response_forward(policy, sequences, temperature, 40, packed=True)[0]
     torch.testing.assert_close(packed[mask], padded[mask], atol=1e-5, rtol=0)
+
+
+def test_packed_response_logits_with_segment_attention_equal_padded(rollout_and_models):
+    result, policy, _ = rollout_and_models
+    segment = copy.deepcopy(policy)
+    assert use_segment_attention(segment)
+    sequences = result.training_tensors()
+    mask = sequences["response_mask"].bool()
+    with torch.no_grad():
+        padded = response_forward(policy, sequences, 1.0, 40)[0]
+        packed = response_forward(segment, sequences, 1.0, 40, packed=True)[0]
+        generated_path = response_forward(segment, sequences, 1.0, 40)[0]  # padded: transformers' sdpa mask
+    torch.testing.assert_close(packed[mask], padded[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(generated_path[mask], padded[mask], atol=1e-5, rtol=0)
 
 
 def test_grpo_packed_targets_loss_and_gradients_equal_padded(tokenizer, rollout_and_models):
