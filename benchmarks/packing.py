@@ -70,8 +70,9 @@ def job_text(work: Path, name: str, args, packing: bool) -> str:
     return f"""\
 output_dir: {work / name}
 model:
-  init: {{model_type: llama, hidden_size: {args.hidden}, intermediate_size: {4 * args.hidden}, num_hidden_layers: {args.layers},
-          num_attention_heads: 4, num_key_value_heads: 4, max_position_embeddings: 2304, tie_word_embeddings: false}}
+  init: {{model_type: llama, hidden_size: {args.hidden}, intermediate_size: {4 * args.hidden},
+          num_hidden_layers: {args.layers}, num_attention_heads: 4, num_key_value_heads: 4,
+          max_position_embeddings: 2304, tie_word_embeddings: false}}
   dtype: fp32
   attn_implementation: sdpa
 tokenizer: {{build: {{kind: char}}}}
