@@ -105,6 +105,7 @@ def main() -> int:
     plan = json.loads(open(args.plan).read())
 
     from astrai.build import build_run
+    from astrai.data.packing import attention_of
     from astrai.engine import all_reduce_sum, set_log_format, setup_distributed, shutdown_distributed
     from astrai.train import load_and_check
 
@@ -140,6 +141,7 @@ def main() -> int:
                 "gradient_scale": max(float(g.abs().max()) for g in grads_a.values()),
                 "weights": [weight_a, weight_b],
             }
+        summary["attention"] = attention_of(run.engines["policy"])
         report[entry["name"]] = summary
         run = None
     if dist.is_main:

@@ -63,7 +63,9 @@ def report(tmp_path_factory):
 def test_packed_equals_padded_on_two_ranks(report, train_type):
     summary = report[train_type]
     parts = ("policy", "critic") if train_type == "online_ppo" else ("policy",)
-    assert set(summary) - {"targets"} == set(parts)
+    assert set(summary) - {"targets", "attention"} == set(parts)
+    # with packing the policy runs sdpa one row at a time; seq's document mask takes transformers' mask path
+    assert summary["attention"] == ("sdpa" if train_type == "seq" else "astrai_segment_sdpa")
     for part in parts:
         result = summary[part]
         padded_weight, packed_weight = result["weights"]
