@@ -13,7 +13,6 @@ import numpy
 import torch
 
 from astrai.config import JobConfig, resolve_template
-from astrai.data.packing import check_packing_job
 from astrai.data.sampler import ShardedOrder
 from astrai.data.sources import iter_texts, load_rows
 from astrai.data.token_order import TokenBalancedOrder, make_order
@@ -27,8 +26,9 @@ from astrai.engine import (
     resolve_precision,
     zero3_loading,
 )
-from astrai.models.checkpoint_weights import load_checkpoint_weights
+from astrai.init_from_checkpoint import load_checkpoint_weights
 from astrai.models.policy import build_policy
+from astrai.models.segment_attention import check_packing_job
 from astrai.models.tokenizer import (
     TOKENIZER_DIR,
     TokenizerError,

@@ -43,21 +43,6 @@ def check_packing_attention(model, key: str) -> None:
         )
 
 
-def check_packing_job(job, model) -> None:
-    """`check_packing_attention` for whichever of data.packing, data.document_mask, rl.packing the job sets."""
-    for key, value in (
-        ("data.packing", job.data.packing),
-        ("data.document_mask", job.data.document_mask),
-        ("rl.packing", job.rl.packing),
-    ):
-        if value:
-            check_packing_attention(model, key)
-    if job.data.packing or job.rl.packing:
-        from astrai.models.segment_attention import use_segment_attention
-
-        use_segment_attention(model)  # sdpa: each packed row alone, as flash_attention_2's varlen path
-
-
 def row_positions(lengths: list[int]) -> torch.Tensor:
     """[sum(lengths)] positions 0..n-1 of every row, one after the other."""
     return torch.cat([torch.arange(length) for length in lengths]) if lengths else torch.zeros(0, dtype=torch.long)

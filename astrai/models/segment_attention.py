@@ -17,7 +17,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from astrai.data.packing import SEGMENT_ATTENTION
+from astrai.data.packing import SEGMENT_ATTENTION, check_packing_attention
 
 
 def segment_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -58,3 +58,17 @@ def use_segment_attention(model) -> bool:
         return False
     module.set_attn_implementation(SEGMENT_ATTENTION)
     return True
+
+
+def check_packing_job(job, model) -> None:
+    """Before the first step: `check_packing_attention` for whichever of data.packing, data.document_mask,
+    rl.packing the job sets; with packing a policy running sdpa switches to `segment_sdpa`."""
+    for key, value in (
+        ("data.packing", job.data.packing),
+        ("data.document_mask", job.data.document_mask),
+        ("rl.packing", job.rl.packing),
+    ):
+        if value:
+            check_packing_attention(model, key)
+    if job.data.packing or job.rl.packing:
+        use_segment_attention(model)  # sdpa: each packed row alone, as flash_attention_2's varlen path
