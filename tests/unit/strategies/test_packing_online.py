@@ -122,6 +122,37 @@ def test_packed_response_logits_with_segment_attention_equal_padded(rollout_and_
     torch.testing.assert_close(generated_path[mask], padded[mask], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("segment", [False, True])
+def test_packed_behaviour_logprobs_equal_padded(tokenizer, rollout_and_models, segment):
+    """The rollout's recomputed behaviour log-probs: the same samples (same seed) and the same log-probs with
+    rl.packing, under transformers' packed mask and under the one-row-at-a-time sdpa."""
+    result, policy, _ = rollout_and_models
+    model = copy.deepcopy(policy)
+    if segment:
+        assert use_segment_attention(model)
+    chats = [[{"role": "user", "content": text}] for text in ("1+2=", "30-4+17=")]
+    prompts = [render_prompt(tokenizer, chat) for chat in chats]
+    settings = online_job("grpo", TINY, rollout={"max_new_tokens": 8}).rollout
+    rollouts = [
+        generate_rollout(
+            PlainEngine(model),
+            tokenizer,
+            prompts,
+            chats,
+            [{}, {}],
+            settings,
+            seed=5,
+            policy_version=0,
+            logprob_batch_size=2,
+            packed=packed,
+        )
+        for packed in (False, True)
+    ]
+    assert torch.equal(rollouts[0].response_ids, rollouts[1].response_ids)
+    assert torch.equal(rollouts[0].response_ids, result.response_ids)
+    torch.testing.assert_close(rollouts[1].behaviour_logprobs, rollouts[0].behaviour_logprobs, atol=1e-5, rtol=0)
+
+
 def test_grpo_packed_targets_loss_and_gradients_equal_padded(tokenizer, rollout_and_models):
     result, policy, reference = rollout_and_models
     losses, gradients, targets = [], [], []
