@@ -8,7 +8,10 @@ built from the same position_ids. So nothing here builds a 4D mask: a packed mic
 `position_ids` [1, T] with no attention mask and no cache (`use_cache=False`: with a cache, which a model
 in eval mode makes by default, transformers skips the detection and rows attend to each other), and the
 attention implementation keeps the rows apart (tests/unit/test_packing.py checks that a packed row's logits
-equal the rows run one by one).
+equal the rows run one by one). Under sdpa that mask makes every row attend against every other's keys
+(masked, but computed); a policy running sdpa is therefore switched to astrai/models/segment_attention.py,
+which gets the rows' boundaries from `model_inputs` (cu_seq_lens_q, flash's varlen keyword) and runs causal
+sdpa on each row alone.
 
 Loss alignment never crosses a row: logits at t predict the token at t + 1, and the first token of every
 row gets loss_mask 0 (nothing of its own row predicts it), so the last token of one row never scores the

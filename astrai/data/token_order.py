@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import torch
 
 from astrai.data.packing import PackingError
+from astrai.data.sampler import ShardedOrder
 
 
 def row_lengths(dataset) -> list[int]:
@@ -113,8 +114,6 @@ class TokenBalancedOrder:
 
 def make_order(job, dataset, dist):
     """data.packing: the token-balanced order; otherwise the row order (ShardedOrder)."""
-    from astrai.data.sampler import ShardedOrder
-
     train = job.train
     if job.data.packing:
         lengths = row_lengths(dataset)
