@@ -28,7 +28,7 @@ from astrai.engine import (
 )
 from astrai.init_from_checkpoint import load_checkpoint_weights
 from astrai.models.policy import build_policy
-from astrai.models.segment_attention import check_packing_job
+from astrai.models.segment_attention import check_packing_job, use_segment_attention
 from astrai.models.tokenizer import (
     TOKENIZER_DIR,
     TokenizerError,
@@ -170,6 +170,8 @@ def build_critic(job: JobConfig, dist: DistInfo, source: str, tokenizer, steps: 
     )
     with zero3_loading(ds_config, job.model.zero3_init and (critic.path or job.model.path) is not None):
         model = build_value_model(job.model, tokenizer, train.seed, critic.path)
+    if job.rl.packing:  # its packed forwards run sdpa one row at a time, as the policy's
+        use_segment_attention(model.trunk)
     warmup = critic.warmup_steps if critic.warmup_steps is not None else warmup_steps(job, steps)
     schedule = lr_lambda(steps * updates, warmup * updates, critic.lr_schedule or train.lr_schedule, train.min_lr_ratio)
     weight_decay = critic.weight_decay if critic.weight_decay is not None else train.weight_decay

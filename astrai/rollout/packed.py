@@ -63,5 +63,7 @@ def packed_response_forward(model, sequences: dict[str, torch.Tensor], keeps_log
 def packed_response_values(critic, sequences: dict[str, torch.Tensor]) -> torch.Tensor:
     """The critic's values of the response tokens' states [N, R] float32, 0 on padding (see response_values)."""
     inputs, keep, scored = pack_padded(sequences)
+    if attention_of(critic) == SEGMENT_ATTENTION:  # a critic whose trunk runs sdpa one row at a time
+        inputs.update(segment_keywords(sequences["attention_mask"].sum(dim=1)))
     values = critic(**inputs)  # a ValueModel runs its trunk without a cache
     return unpack(values[0, keep], scored)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from astrai.algos import FixedKLController
+from astrai.data.packing import SEGMENT_ATTENTION, attention_of
 from astrai.models.segment_attention import use_segment_attention
 from astrai.models.value import ValueModel, trunk_of
 from astrai.rollout.generation import generate_rollout
@@ -173,9 +174,16 @@ def test_grpo_packed_targets_loss_and_gradients_equal_padded(tokenizer, rollout_
     assert_same_gradients(*gradients)
 
 
-def test_online_ppo_packed_policy_reference_and_critic_equal_padded(tokenizer, rollout_and_models):
+@pytest.mark.parametrize("segment", [False, True])
+def test_online_ppo_packed_policy_reference_and_critic_equal_padded(tokenizer, rollout_and_models, segment):
+    """With `segment`, the policy, the reference and the critic's trunk run sdpa one row at a time (as
+    build_run switches them with rl.packing); without, transformers' packed mask."""
     result, policy, reference = rollout_and_models
     critic = ValueModel(trunk_of(copy.deepcopy(policy)))
+    if segment:
+        policy, reference = copy.deepcopy(policy), copy.deepcopy(reference)
+        assert use_segment_attention(policy) and use_segment_attention(reference)
+        assert use_segment_attention(critic.trunk) and attention_of(critic) == SEGMENT_ATTENTION
     torch.manual_seed(2)
     torch.nn.init.normal_(critic.value_head.weight, std=0.02)  # values that are not all 0
     outputs, gradients, targets = [], [], []
