@@ -80,6 +80,17 @@ def test_a_resume_lands_on_the_same_next_row_on_any_world_size(before, after):
     assert first.row_at(consumed) in rows_next
 
 
+@pytest.mark.parametrize("epochs", [1.0, 2.5])
+def test_train_epochs_count_the_steps_packing_takes(epochs):
+    order = orders(2)[0]
+    consumed, steps = 0, 0
+    while consumed < epochs * 57:
+        consumed += order.global_step(consumed)[1]
+        steps += 1
+    assert order.steps_for_epochs(epochs) == steps
+    assert (steps - 1) * BUDGET * 4 < epochs * sum(LENGTHS) * 2  # micro-batches at least half full on average
+
+
 def test_a_row_over_the_budget_is_refused_named():
     with pytest.raises(PackingError, match=r"data row 2 has 300 tokens, more than train.micro_batch_tokens 256"):
         TokenBalancedOrder([5, 8, 300], 256, 1, 0, 1, seed=0)
