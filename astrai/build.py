@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
@@ -13,9 +12,8 @@ import numpy
 import torch
 
 from astrai.config import JobConfig, resolve_template
-from astrai.data.sampler import ShardedOrder
 from astrai.data.sources import iter_texts, load_rows
-from astrai.data.token_order import TokenBalancedOrder, make_order
+from astrai.data.token_order import make_order
 from astrai.engine import (
     DistInfo,
     Engine,
@@ -39,27 +37,10 @@ from astrai.models.tokenizer import (
     save_tokenizer,
 )
 from astrai.models.value import build_value_model
+from astrai.run import DataStream, Run
 from astrai.strategies import Strategy, strategy_class
 
 logger = logging.getLogger("astrai.build")
-
-
-@dataclass
-class Run:
-    job: JobConfig
-    dist: DistInfo
-    output_dir: Path
-    tokenizer: object
-    strategy: Strategy
-    dataset: datasets.Dataset
-    order: ShardedOrder | TokenBalancedOrder
-    total_steps: int
-    engines: dict[str, Engine]
-    skipped_rows: int
-
-    @property
-    def samples_per_step(self) -> int:
-        return self.job.train.micro_batch_size * self.job.train.grad_accum_steps * self.dist.world_size
 
 
 def make_tokenizer(job: JobConfig, rows, output_dir: Path, is_main: bool):
@@ -204,7 +185,9 @@ def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
     dataset, skipped = prepare_dataset(strategy, rows, dist.is_main)
     if skipped:
         logger.warning("skipped %d malformed rows (data.on_bad_row: skip)", skipped)
-    order = make_order(job, dataset, dist)  # data.packing: TokenBalancedOrder
+    # The run's one data order: what one draw takes per rank is the strategy's (a micro-batch, or a step's prompts);
+    # with data.packing a step's micro-batches are cut by tokens (TokenBalancedOrder).
+    order = make_order(job, dataset, dist, strategy.rows_per_draw(dist.world_size))
     if job.data.packing:
         steps = job.train.max_steps or order.steps_for_epochs(job.train.epochs)
     else:
@@ -238,6 +221,6 @@ def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
         sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()) / 1e6,
         torch.get_num_threads(),
     )
-    run = Run(job, dist, output_dir, tokenizer, strategy, dataset, order, steps, engines, skipped)
+    run = Run(job, dist, output_dir, tokenizer, strategy, DataStream(dataset, order), steps, engines, skipped)
     strategy.setup(run)
     return run

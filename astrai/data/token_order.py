@@ -112,13 +112,13 @@ class TokenBalancedOrder:
         return max(1, steps)
 
 
-def make_order(job, dataset, dist):
-    """data.packing: the token-balanced order; otherwise the row order (ShardedOrder)."""
+def make_order(job, dataset, dist, rows_per_draw: int):
+    """data.packing: the token-balanced order; otherwise the row order (ShardedOrder), `rows_per_draw` rows per
+    rank per draw (`Strategy.rows_per_draw`)."""
     train = job.train
     if job.data.packing:
-        lengths = row_lengths(dataset)
         return TokenBalancedOrder(
-            lengths,
+            row_lengths(dataset),
             train.micro_batch_tokens,
             dist.world_size,
             dist.rank,
@@ -126,4 +126,4 @@ def make_order(job, dataset, dist):
             train.seed,
             job.data.shuffle,
         )
-    return ShardedOrder(len(dataset), train.micro_batch_size, dist.world_size, dist.rank, train.seed, job.data.shuffle)
+    return ShardedOrder(len(dataset), rows_per_draw, dist.world_size, dist.rank, train.seed, job.data.shuffle)

@@ -130,7 +130,7 @@ def test_a_packed_sft_resume_continues_on_the_same_rows(one_rank, tmp_path):
         config = tmp_path / f"{name}.yaml"
         config.write_text(JOB.format(output_dir=tmp_path / name, data=data))
         run = build_run(load_job(config, overrides), one_rank, str(config))
-        assert isinstance(run.order, TokenBalancedOrder)
+        assert isinstance(run.data.order, TokenBalancedOrder)
         TRAIN_LOOPS["offline"](run)
         lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
         records[name] = {record["step"]: record for record in map(json.loads, lines)}
