@@ -77,7 +77,7 @@ def online_results(run, all_reduce_sum) -> dict[str, dict]:
     import copy
 
     job, strategy, policy = run.job, run.strategy, run.engines["policy"]
-    sample = strategy.sample(policy, strategy.prompt_batches(0), step=1, policy_version=0)
+    sample = strategy.sample(policy, run.data.batches(), step=1, policy_version=0)
     results = {}
     for name, packing in (("padded", False), ("packed", True)):
         job.rl.packing = packing

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 
+import datasets
 import pytest
 
 from astrai.build import build_run
@@ -14,6 +15,7 @@ from astrai.config import load_job
 from astrai.data.packing import PackingError
 from astrai.data.sampler import ShardedOrder
 from astrai.data.token_order import TokenBalancedOrder
+from astrai.run import DataStream
 from astrai.trainer import TRAIN_LOOPS
 from tests.conftest import REPO
 
@@ -89,6 +91,22 @@ def test_train_epochs_count_the_steps_packing_takes(epochs):
         steps += 1
     assert order.steps_for_epochs(epochs) == steps
     assert (steps - 1) * BUDGET * 4 < epochs * sum(LENGTHS) * 2  # micro-batches at least half full on average
+
+
+def test_the_data_stream_draws_packed_steps_and_keeps_the_position():
+    """DataStream.steps (the offline loop's draw) over the token-balanced order: each step moves the position by
+    the rows it took; a stream restored from the saved position draws the same next step."""
+    dataset = datasets.Dataset.from_dict({"input_ids": [[1] * length for length in LENGTHS]})
+    stream = DataStream(dataset, orders(1)[0])
+    steps = stream.steps(2)
+    first = next(steps)
+    taken = orders(1)[0].global_step(0)[1]
+    assert stream.consumed_samples == taken and sum(len(micro) for micro in first) == taken
+    saved = stream.state_dict()
+    following = next(steps)
+    restored = DataStream(dataset, orders(1)[0])
+    restored.load_state_dict(saved)
+    assert next(restored.steps(2)) == following
 
 
 def test_a_row_over_the_budget_is_refused_named():
