@@ -12,12 +12,16 @@ mask, unchanged. `use_segment_attention` switches a model that runs sdpa, when p
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from astrai.data.packing import SEGMENT_ATTENTION, check_packing_attention
+from astrai.data.packing import SEGMENT_ATTENTION, attention_of, check_packing_attention
+
+logger = logging.getLogger("astrai.packing")
 
 
 def segment_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -72,3 +76,5 @@ def check_packing_job(job, model) -> None:
             check_packing_attention(model, key)
     if job.data.packing or job.rl.packing:
         use_segment_attention(model)  # sdpa: each packed row alone, as flash_attention_2's varlen path
+        budget = f"up to {job.train.micro_batch_tokens} tokens per micro-batch, " if job.data.packing else ""
+        logger.info("packing: %sattention %s", budget, attention_of(model))
