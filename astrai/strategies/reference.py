@@ -9,6 +9,7 @@ import torch
 from astrai.engine import FrozenEngine, make_frozen_engine, zero3_loading
 from astrai.init_from_checkpoint import load_checkpoint_weights
 from astrai.models.policy import build_policy
+from astrai.models.segment_attention import use_segment_attention
 
 
 def reference_model(job, tokenizer, ds_config: dict) -> tuple[torch.nn.Module, str]:
@@ -58,4 +59,6 @@ def build_reference(
     if policy is not None and job.model.lora is not None and job.model.reference_path is None:
         return DisabledAdapterReference(policy), "the LoRA policy with its adapter disabled (its base model)"
     model, source = reference_model(job, tokenizer, ds_config)
+    if job.data.packing or job.rl.packing:  # its packed forwards run sdpa one row at a time, as the policy's
+        use_segment_attention(model)
     return make_frozen_engine(model, ds_config), source

@@ -160,6 +160,15 @@ def test_step_overhead_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_packing_smoke(tmp_path):
+    arguments = ["--rows", "40", "--steps", "3", "--warmup", "1", "--hidden", "32", "--layers", "1"]
+    result = run_benchmark("packing.py", tmp_path, *arguments, "--tokens", "2048", "--micro-batch", "2")
+    assert [run["variant"] for run in result["runs"]] == ["padded", "packed"]
+    assert all(run["real_tokens_per_s"] > 0 and run["steps"] == 2 for run in result["runs"])
+    assert result["packed_over_padded"] > 0
+
+
+@pytest.mark.slow
 def test_lora_vs_full_smoke(tmp_path):
     result = run_benchmark(
         "lora_vs_full.py", tmp_path, "--size", "tiny", "--seq-len", "32", "--steps", "2", "--warmup", "1"
