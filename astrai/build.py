@@ -25,6 +25,7 @@ from astrai.engine import (
     resolve_precision,
     zero3_loading,
 )
+from astrai.eval.data import split_eval_data
 from astrai.models.checkpoint_weights import load_checkpoint_weights
 from astrai.models.policy import build_policy
 from astrai.models.tokenizer import (
@@ -54,6 +55,7 @@ class Run:
     total_steps: int
     engines: dict[str, Engine]
     skipped_rows: int
+    eval_dataset: datasets.Dataset | None = None  # eval.data_path or eval.holdout (astrai/eval/)
 
     @property
     def samples_per_step(self) -> int:
@@ -200,6 +202,7 @@ def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
     dataset, skipped = prepare_dataset(strategy, rows, dist.is_main)
     if skipped:
         logger.warning("skipped %d malformed rows (data.on_bad_row: skip)", skipped)
+    dataset, eval_dataset = split_eval_data(job, strategy, dataset, output_dir, dist.is_main)
     order = ShardedOrder(
         len(dataset), job.train.micro_batch_size, dist.world_size, dist.rank, job.train.seed, job.data.shuffle
     )
@@ -232,6 +235,6 @@ def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
         sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()) / 1e6,
         torch.get_num_threads(),
     )
-    run = Run(job, dist, output_dir, tokenizer, strategy, dataset, order, steps, engines, skipped)
+    run = Run(job, dist, output_dir, tokenizer, strategy, dataset, order, steps, engines, skipped, eval_dataset)
     strategy.setup(run)
     return run
