@@ -40,7 +40,7 @@ def eval_metric_names(job) -> list[str]:
 
 
 def check_eval_job(job) -> None:
-    """eval.pass_k and `checkpoint.keep_best` against the job, before any rank starts: ConfigError naming what to change."""
+    """eval.pass_k and `checkpoint.keep_best` against the job, before any rank starts: ConfigError naming the fix."""
     from astrai.strategies import strategy_class
 
     if job.eval is not None and strategy_class(job.train.train_type).loop == "online":
