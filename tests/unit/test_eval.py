@@ -249,3 +249,34 @@ def test_bad_eval_settings_are_refused_before_any_rank_works(folder, train_type,
     with pytest.raises(ConfigError) as error:
         load_and_check(config, [])
     assert message in str(error.value), str(error.value)
+
+
+def test_a_resumed_run_holds_out_the_same_examples_and_reports_the_same_evals(one_rank, folder):
+    extra = "eval: {holdout: 0.1, every_steps: 2}\ncheckpoint: {every_steps: 2}\n"
+    straight = train(one_rank, write_job(folder, "straight", "sft", steps=4, extra=extra))
+    split = write_job(folder, "split", "sft", steps=4, extra=extra)
+    train(one_rank, split, "train.max_steps=2")
+    resumed = train(one_rank, split)  # resumes from step 2
+    assert resumed.eval_dataset["input_ids"] == straight.eval_dataset["input_ids"]
+    figures = {
+        name: {
+            step: {k: v for k, v in record.items() if k.startswith("eval/")}
+            for step, record in eval_records(folder, name).items()
+        }
+        for name in ("straight", "split")
+    }
+    assert sorted(figures["split"]) == [2, 4] and figures["split"] == figures["straight"]  # bit for bit
+
+
+def test_a_resume_drops_eval_samples_written_after_its_checkpoint(one_rank, folder):
+    name = "grpo_resume"
+    extra = f"eval: {{data_path: {folder / 'prompts_eval.jsonl'}, every_steps: 1, log_samples: 1}}\n"
+    extra += "checkpoint: {every_steps: 1}\n"
+    config = write_job(folder, name, "grpo", steps=3, extra=extra)
+    train(one_rank, config, "train.max_steps=2")
+    samples = folder / name / "eval_samples.jsonl"
+    with open(samples, "a") as handle:  # what a run killed after step 3's eval, before its checkpoint, left
+        handle.write(json.dumps({"step": 3, "prompt": "lost"}) + "\n" + '{"step": 3, "pro')
+    train(one_rank, config)
+    steps = [json.loads(line)["step"] for line in samples.read_text().splitlines()]
+    assert steps == [1, 2, 3] and "lost" not in samples.read_text()
