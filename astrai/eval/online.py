@@ -152,6 +152,7 @@ def online_figures(totals: dict[str, float], pass_k: int) -> dict[str, float]:
     """Global sums of `online_eval_sums` -> the figures of the module docstring."""
     prompts, responses = max(totals["prompts"], 1.0), max(totals["sampled_responses"], 1.0)
     figures = {
+        "greedy_reward": totals["greedy_reward"] / prompts,  # first: the progress bar shows the first figure
         "greedy_pass": totals["greedy_pass"] / prompts,
         f"pass@{pass_k}": totals["pass_at_k"] / prompts,
         "greedy_response_len": totals["greedy_tokens"] / prompts,

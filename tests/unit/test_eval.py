@@ -227,6 +227,7 @@ def test_a_holdout_larger_than_the_data_is_refused(one_rank, folder):
         ("sft", "eval: {every_steps: 2}", "an eval section needs data: give exactly one of `eval.data_path`"),
         ("sft", "eval: {holdout: 2, data_path: x.jsonl}", "give exactly one of `eval.data_path` or `eval.holdout`"),
         ("sft", "eval: {holdout: 1.5}", "neither a fraction (< 1) nor a count"),
+        ("sft", "eval: {data_path: /nowhere/eval.jsonl}", "eval.data_path: no file matches '/nowhere/eval.jsonl'"),
         ("sft", "eval: {holdout: 0}", "greater than 0"),
         ("sft", "eval: {holdout: 2, pass_k: 3, samples_per_prompt: 2}", "pass@k needs at least k"),
         (
@@ -280,3 +281,15 @@ def test_a_resume_drops_eval_samples_written_after_its_checkpoint(one_rank, fold
     train(one_rank, config)
     steps = [json.loads(line)["step"] for line in samples.read_text().splitlines()]
     assert steps == [1, 2, 3] and "lost" not in samples.read_text()
+
+
+def test_the_progress_bar_keeps_showing_the_last_eval_figure(tmp_path):
+    from astrai.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path, is_main=True, total_steps=3, start_step=0, tensorboard=False, progress_bar=True)
+    log.log(1, {"loss": 2.5, "eval/loss": 2.25, "eval/perplexity": 9.49, "eval_s": 0.1})
+    log.log(2, {"loss": 2.0})
+    assert "eval/loss=2.25" in log._bar.postfix and "loss=2" in log._bar.postfix
+    log.log(3, {"loss": 1.5, "eval/loss": 1.75})
+    assert "eval/loss=1.75" in log._bar.postfix
+    log.close()
