@@ -1,5 +1,6 @@
-"""Eval on 2 real gloo ranks reports the figures of 1 rank: sft and dpo under ZeRO-3 (every eval forward a
-collective; 5 eval rows, so one rank runs a padding forward) and grpo (greedy and sampled answers, pass@k).
+"""Eval on 2 real gloo ranks reports the figures of 1 rank, all under ZeRO-3: sft and dpo (every eval forward a
+collective; 5 eval rows, so one rank runs a padding forward) and grpo (greedy and sampled answers, pass@k, from
+one gathered copy of the policy per eval).
 
 The 2-rank runs share ONE launch (run_plan.py); the 1-rank runs are the same jobs in this process. The step-0
 evals (`eval.at_start`) measure the same starting weights on both, so they agree up to the order of the float
@@ -46,7 +47,7 @@ def write(folder, name, train_type, ranks):
         data=data,
         train_type=train_type,
         micro=micro,
-        stage=3 if train_type != "grpo" else 2,
+        stage=3,
         eval_data=folder / f"{DATA[train_type]}_eval.jsonl",
     )
     path = folder / f"{name}.yaml"
