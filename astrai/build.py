@@ -26,7 +26,7 @@ from astrai.engine import (
     zero3_loading,
 )
 from astrai.eval.data import split_eval_data
-from astrai.models.checkpoint_weights import load_checkpoint_weights
+from astrai.init_from_checkpoint import load_checkpoint_weights
 from astrai.models.policy import build_policy
 from astrai.models.tokenizer import (
     TOKENIZER_DIR,

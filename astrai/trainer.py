@@ -19,11 +19,11 @@ from collections import defaultdict
 import torch
 
 from astrai.build import Run
-from astrai.checkpointing import TrainerState, TrainingCheckpoints
 from astrai.engine import Engine, all_reduce_sum, all_reduce_sums
 from astrai.errors import AstraiError
 from astrai.eval.evaluator import Evaluator
 from astrai.metrics import MetricsLog
+from astrai.resume.checkpointing import TrainerState, TrainingCheckpoints
 from astrai.rollout import rollout_metrics
 
 logger = logging.getLogger("astrai.trainer")

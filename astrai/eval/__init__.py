@@ -5,5 +5,4 @@ data.py       the eval examples: eval.data_path prepared like the training data,
 offline.py    seq/sft/dpo (any offline train type): Strategy.eval_sums summed over every rank, Strategy.eval_metrics
 online.py     grpo/online_ppo: greedy and sampled answers to held-out prompts, rewards, pass@k, eval_samples.jsonl
 isolation.py  no gradients, eval mode, every RNG restored: the run's trajectory is untouched
-best.py       `export-hf --best`: the best checkpoint by the recorded eval figures
 """

@@ -31,6 +31,7 @@ from astrai.algos.pass_at_k import pass_at_k
 from astrai.eval.data import rank_share
 from astrai.rollout import generate_rollout, reward_inputs, sampling_seed
 from astrai.rollout.prompts import decode_prompt_row
+from astrai.safe_write import fsync_path
 
 EVAL_STREAM = 2**40  # seed streams: 0 samples, 1 + epoch shuffles replay, 2**32 + round is dynamic sampling's
 SAMPLES_FILE = "eval_samples.jsonl"
@@ -173,7 +174,10 @@ def append_records(path: Path, records: list[dict]) -> None:
     next start (`trim_metrics`, as metrics.jsonl)."""
     if not records:
         return
+    created = not path.exists()
     with open(path, "ab") as handle:
         handle.write("".join(json.dumps(record) + "\n" for record in records).encode())
         handle.flush()
         os.fsync(handle.fileno())
+    if created:
+        fsync_path(path.parent)  # the new file's name is durable too

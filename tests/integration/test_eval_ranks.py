@@ -34,7 +34,7 @@ runtime: {{progress_bar: false, tensorboard: false}}
 """
 ONLINE = """\
 rollout: {prompts_per_step: 2, group_size: 2, max_new_tokens: 4}
-reward: {function: "tests.unit.test_eval:length_reward"}
+reward: {function: "tests.unit.eval.test_eval:length_reward"}
 """
 DATA = {"sft": "sft", "dpo": "preference", "grpo": "prompts"}
 
