@@ -1,6 +1,7 @@
-"""When an eval runs, what it reports, how it stays out of
-the run's way. The loops call `Evaluator` in two lines; the work is in `offline.py` (the offline loop's train
-types, through `Strategy.eval_sums` / `eval_metrics`) and `online.py` (grpo, online_ppo: generation and rewards).
+"""When an eval runs, what it reports, how it stays out of the run's way, and the checks of `eval:` and
+`checkpoint.keep_best` before any rank starts. The loops call `Evaluator` in two lines; the work is in
+`offline.py` (the offline loop's train types, through `Strategy.eval_sums` / `eval_metrics`) and `online.py`
+(grpo, online_ppo: generation and rewards).
 
 An eval runs every `eval.every_steps` steps, at the last step of the run, and with `eval.at_start` before the
 first step of a fresh run (logged as step 0). It is sharded over all ranks, takes no gradients, runs the engines
