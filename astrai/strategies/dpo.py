@@ -27,6 +27,7 @@ from astrai.data import render_rows
 from astrai.data.collate import pad_right
 from astrai.data.render import preference_batch
 from astrai.engine import all_gather_objects
+from astrai.run import Run
 from astrai.strategies.base import StepOutput, Strategy, register
 from astrai.strategies.reference import build_reference
 
@@ -83,7 +84,7 @@ class DpoStrategy(Strategy):
         if job.model.reference_path is not None:
             raise ConfigError(f"`dpo.loss: {settings.loss}` uses no reference model: remove `model.reference_path`")
 
-    def setup(self, run) -> None:
+    def setup(self, run: Run) -> None:
         self.device = run.dist.device
         if self.job.dpo.loss in REFERENCE_FREE_LOSSES:
             self.reference, self.reference_source = None, None  # never built: the loss needs only the policy
@@ -92,11 +93,11 @@ class DpoStrategy(Strategy):
         self.reference, self.reference_source = build_reference(self.job, self.tokenizer, policy_config)
         if self.job.dpo.precompute_reference:
             run.dataset = self._precompute(run, run.dataset)
-            if getattr(run, "eval_dataset", None) is not None:  # the eval pairs need theirs too
+            if run.eval_dataset is not None:  # the eval pairs need theirs too
                 run.eval_dataset = self._precompute(run, run.eval_dataset)
             self.reference = None  # freed: the log-probs now travel with the data
 
-    def _precompute(self, run, dataset: datasets.Dataset) -> datasets.Dataset:
+    def _precompute(self, run: Run, dataset: datasets.Dataset) -> datasets.Dataset:
         """Reference log-probs of every pair, computed once, rank r taking pairs r, r+W, ...
 
         Every rank runs the same number of forwards (the last batch is padded with repeats) because
