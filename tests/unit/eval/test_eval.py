@@ -6,6 +6,7 @@ exports the best checkpoint, and bad eval settings are refused before any rank w
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from math import comb
@@ -18,6 +19,7 @@ from astrai.build import build_run
 from astrai.config import ConfigError
 from astrai.data.sources import load_rows
 from astrai.export import export_main
+from astrai.init_from_checkpoint import load_checkpoint_weights
 from astrai.job_checks import load_and_check
 from astrai.strategies.dpo import completion_logprobs
 from astrai.trainer import TRAIN_LOOPS
@@ -90,26 +92,35 @@ def eval_records(folder, name):
     return {record["step"]: record for record in records(folder, name) if "eval_s" in record}
 
 
-@pytest.mark.parametrize("train_type", ["sft", "seq"])
-def test_eval_loss_is_the_token_mean_over_the_eval_rows(one_rank, folder, train_type):
-    name = f"{train_type}_loss"
-    config = write_job(folder, name, train_type, extra="eval: {holdout: 5, every_steps: 2}\n")
-    run = train(one_rank, config)
-    figures = eval_records(folder, name)
-    assert sorted(figures) == [2, 3]  # every 2 steps and the last
-    module = run.engines["policy"].module  # the weights of the last step, which the step-3 eval measured
+def hand_loss(module, dataset) -> float:
+    """Token-mean next-token cross-entropy of `module` over the loss tokens of every row, one row at a time."""
     module.eval()
     total, tokens = 0.0, 0
     with torch.no_grad():
-        for row in run.eval_dataset:
+        for row in dataset:
             ids, mask = torch.tensor(row["input_ids"]), torch.tensor(row["loss_mask"])
             logits = module(input_ids=ids[None]).logits[0, :-1]
             losses = F.cross_entropy(logits.float(), ids[1:], reduction="none")
             total += float(losses[mask[1:].bool()].sum())
             tokens += int(mask[1:].sum())
-    assert len(run.eval_dataset) == 5 and tokens > 0
-    assert figures[3]["eval/loss"] == pytest.approx(total / tokens, rel=1e-5)
-    assert figures[3]["eval/perplexity"] == pytest.approx(math.exp(total / tokens), rel=1e-5)
+    assert tokens > 0
+    return total / tokens
+
+
+@pytest.mark.parametrize("train_type", ["sft", "seq"])
+def test_eval_loss_is_the_token_mean_over_the_eval_rows(one_rank, folder, train_type):
+    name = f"{train_type}_loss"
+    extra = "eval: {holdout: 5, every_steps: 2}\ncheckpoint: {resume: never, every_steps: 2}\n"
+    run = train(one_rank, write_job(folder, name, train_type, extra=extra))
+    figures = eval_records(folder, name)
+    assert sorted(figures) == [2, 3] and len(run.eval_dataset) == 5  # every 2 steps and the last
+    final = hand_loss(run.engines["policy"].module, run.eval_dataset)  # the step-3 weights
+    assert figures[3]["eval/loss"] == pytest.approx(final, rel=1e-5)
+    assert figures[3]["eval/perplexity"] == pytest.approx(math.exp(final), rel=1e-5)
+    # Step 2: its checkpoint's weights in a copy of the model.
+    module = copy.deepcopy(run.engines["policy"].module)
+    load_checkpoint_weights(module, folder / name / "checkpoints" / "step_00000002", run.tokenizer)
+    assert figures[2]["eval/loss"] == pytest.approx(hand_loss(module, run.eval_dataset), rel=1e-5)
     assert figures[2]["eval/loss"] != figures[3]["eval/loss"]  # measured on other weights
     # The held-out examples are not trained on: the run's data is the rest of the prepared examples.
     rows = load_rows(str(folder / f"{FILES[train_type]}.jsonl"), "auto", folder / "cache")
