@@ -393,8 +393,9 @@ class RolloutConfig(Section):
     )
     share_prefill: bool = Field(
         True,
-        description="Prefill each prompt once and repeat its KV cache to the group before decoding, instead of prefilling "
-        "all group_size copies (TRL's way); same tokens and log-probs for the same seed. false: every copy prefilled.",
+        description="Prefill each prompt once and repeat its KV cache to the group before decoding, instead of "
+        "prefilling all group_size copies (TRL's way); same tokens and log-probs for the same seed. false: every "
+        "copy prefilled.",
     )
 
 
