@@ -28,6 +28,10 @@ samples from the partitioned module inside one gather of every parameter instead
 so that a rank whose responses all ended keeps stepping while others generate (every forward of the
 partitioned module is a collective); its hooks make it ~5x slower on a CPU.
 
+One prefill per prompt group (`rollout.share_prefill`, default on): the distinct prompts run one forward and
+their KV cache is repeated to the group before generate decodes (`shared_prefill.py`); same tokens for the
+same seed as prefilling every copy.
+
 Sampling randomness: each rollout draws from its own seed, `sampling_seed(seed, step, rank)`, in a
 forked RNG, so a resumed run samples the same responses as an uninterrupted one (same world size).
 """
@@ -260,11 +264,11 @@ def sample_responses(
     mode = getattr(settings, "zero3_generation", "copy")
     # Only the partitioned module's forwards are collectives: then a rank whose responses all ended keeps stepping.
     synced = engine.zero_stage == 3 and mode == "gather" and dist.is_initialized() and dist.get_world_size() > 1
-    share = shares_prefill(settings, group_size, prompt_ids, synced=synced)
     with engine.generation_module(mode) as model:
         was_training = model.training
         model.eval()  # no dropout while sampling; the behaviour log-probs come from the training forward anyway
         try:
+            share = shares_prefill(settings, group_size, prompt_ids, model, synced=synced)
             cache = {"cache": group_prefill_cache(model, prompt_ids, prompt_mask, group_size)} if share else {}
             output = model.generate(
                 input_ids=prompt_ids,

@@ -29,12 +29,15 @@ import torch
 import torch.distributed as dist
 
 
-def shares_prefill(settings, group_size: int, prompt_ids: torch.Tensor, *, synced: bool) -> bool:
+def shares_prefill(settings, group_size: int, prompt_ids: torch.Tensor, model, *, synced: bool) -> bool:
     """Whether this rollout prefills once per prompt group: `rollout.share_prefill` on, groups of 2 or more,
-    and prompts of at least 2 columns (the cache holds all but the last). synced: every rank's forwards are
-    collectives (ZeRO-3 `gather`), so every rank must make the same choice: the ranks agree (all must share).
-    prompt_ids: [N, P], this rank's prompt rows."""
+    prompts of at least 2 columns (the cache holds all but the last), and a model generate gives a
+    `DynamicCache` (not a recurrent one such as Mamba's). prompt_ids: [N, P], this rank's prompt rows.
+    synced: every rank's forwards are collectives (ZeRO-3 `gather`), so every rank must make the same
+    choice: the ranks agree (all share, or none does)."""
+    supports_cache = getattr(model, "_supports_default_dynamic_cache", lambda: True)()
     share = bool(getattr(settings, "share_prefill", True)) and group_size > 1 and prompt_ids.shape[1] > 1
+    share = share and supports_cache
     if synced:
         agreed = torch.tensor([int(share)], device=prompt_ids.device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)

@@ -123,10 +123,55 @@ def test_groups_of_different_rows_are_refused(model, tokenizer):
         group_prefill_cache(model, ids, mask, 2)
 
 
-def test_sharing_needs_the_setting_groups_and_two_prompt_columns():
+def test_sharing_needs_the_setting_groups_two_prompt_columns_and_a_dynamic_cache(model):
     two_columns, one_column = torch.zeros(4, 2, dtype=torch.long), torch.zeros(4, 1, dtype=torch.long)
-    assert shares_prefill(settings(), 4, two_columns, synced=False)
-    assert shares_prefill(SimpleNamespace(), 4, two_columns, synced=False)  # default on, as the config's
-    assert not shares_prefill(settings(share_prefill=False), 4, two_columns, synced=False)
-    assert not shares_prefill(settings(), 1, two_columns, synced=False)  # nothing to share
-    assert not shares_prefill(settings(), 4, one_column, synced=False)  # the cache would hold nothing
+    assert shares_prefill(settings(), 4, two_columns, model, synced=False)
+    assert shares_prefill(SimpleNamespace(), 4, two_columns, model, synced=False)  # default on, as the config's
+    assert not shares_prefill(settings(share_prefill=False), 4, two_columns, model, synced=False)
+    assert not shares_prefill(settings(), 1, two_columns, model, synced=False)  # nothing to share
+    assert not shares_prefill(settings(), 4, one_column, model, synced=False)  # the cache would hold nothing
+    recurrent = SimpleNamespace(_supports_default_dynamic_cache=lambda: False)  # e.g. Mamba: generate makes no cache
+    assert not shares_prefill(settings(), 4, two_columns, recurrent, synced=False)
+
+
+# Families whose caches, position handling or attention differ from Llama's (learned positions, OPT's offset,
+# GPT-NeoX's partial rotary, q/k norms, Gemma's scaled embeddings, MoE layers); tiny, as the architecture matrix.
+ATTENTION = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+FAMILIES = {
+    "gpt2": {"model_type": "gpt2", "n_embd": 32, "n_inner": 64, "n_layer": 2, "n_head": 4, "n_positions": 64},
+    "opt": {"model_type": "opt", "hidden_size": 32, "ffn_dim": 64, "word_embed_proj_dim": 32, "num_attention_heads": 4},
+    "gpt_neox": {"model_type": "gpt_neox", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4},
+    "qwen3": {"model_type": "qwen3", **ATTENTION, "head_dim": 8},
+    "gemma": {"model_type": "gemma", **ATTENTION, "head_dim": 8},
+    "qwen2_moe": {
+        "model_type": "qwen2_moe",
+        **ATTENTION,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+    },
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_shared_prefill_across_model_families(tokenizer, family):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    init = dict(FAMILIES[family])
+    extra = {"num_hidden_layers": 2, "max_position_embeddings": 64} if family != "gpt2" else {}
+    config = AutoConfig.for_model(
+        init.pop("model_type"),
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        **init,
+        **extra,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    shared = rollout(model, tokenizer, share_prefill=True, group_size=3)
+    unshared = rollout(model, tokenizer, share_prefill=False, group_size=3)
+    assert torch.equal(shared.response_ids, unshared.response_ids)
+    assert (shared.behaviour_logprobs - unshared.behaviour_logprobs).abs().max() <= 1e-6
