@@ -152,6 +152,7 @@ def measure(args, prompt_len: int, data: dict, model, tokenizer) -> tuple[list[d
                 }
             )
         identical.append(torch.equal(responses["rollout_shared"], responses["rollout_unshared"]))
+        print(f"prompt {prompt_len}, round {repeat + 1}/{args.repeats} done", flush=True)
     return records, identical
 
 
