@@ -64,22 +64,18 @@ def group_prefill_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
             f"{group_size} identical rows"
         )
     prefix_ids, prefix_mask = distinct_ids[:, :-1], distinct_mask[:, :-1]
-    # generate's own position ids (GenerationMixin._prepare_position_ids_for_generation): pads at 0.
-    position_ids = (prefix_mask.long().cumsum(-1) - 1).masked_fill(prefix_mask == 0, 0)
+    accepted = _forward_parameters(model)
+    inputs = {"input_ids": prefix_ids, "attention_mask": prefix_mask, "use_cache": True}
+    if "position_ids" in accepted:  # generate's own rule (_prepare_position_ids_for_generation): pads at 0
+        inputs["position_ids"] = (prefix_mask.long().cumsum(-1) - 1).masked_fill(prefix_mask == 0, 0)
+    if "logits_to_keep" in accepted:  # no LM head over the whole prompt
+        inputs["logits_to_keep"] = 1
     cache = DynamicCache(config=model.config.get_text_config(decoder=True))
-    extra = {"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}  # no LM head over the whole prompt
-    model(
-        input_ids=prefix_ids,
-        attention_mask=prefix_mask,
-        position_ids=position_ids,
-        cache=cache,
-        use_cache=True,
-        **extra,
-    )
+    model(cache=cache, **inputs)
     cache.batch_repeat_interleave(group_size)
     return cache
 
 
-def _accepts_logits_to_keep(model) -> bool:
+def _forward_parameters(model) -> set[str]:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model's wrapped LM
-    return "logits_to_keep" in inspect.signature(base.forward).parameters
+    return set(inspect.signature(base.forward).parameters)
