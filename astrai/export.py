@@ -175,7 +175,8 @@ def critic_skeleton(job, tokenizer):
         trunk = trunk_of(build_skeleton(job, tokenizer))
     elif not Path(job.critic.path).is_dir():
         raise ExportError(
-            f"critic.path {job.critic.path!r} of the job is not a folder here: its config.json gives the critic's architecture"
+            f"critic.path {job.critic.path!r} of the job is not a folder here: its config.json gives the critic's "
+            "architecture"
         )
     else:
         with torch.device("meta"):

@@ -282,7 +282,8 @@ class Engine:
                 plain.to_empty(device="meta")
                 raise CollectiveStalledError(
                     f"rollout weight sync: the ZeRO-3 all-gather of {name} did not complete on rank {dist.get_rank()} "
-                    f"within runtime.dist_timeout_s: another rank died, hung, or is still busy elsewhere ({type(error).__name__}: {error})"
+                    "within runtime.dist_timeout_s: another rank died, hung, or is still busy elsewhere "
+                    f"({type(error).__name__}: {error})"
                 ) from error
         if targets:
             raise RuntimeError(

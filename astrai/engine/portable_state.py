@@ -112,7 +112,8 @@ class _ZeroSource:
             raise
         except Exception as error:
             raise PortableError(
-                f"{shards}: DeepSpeed's ds_to_universal failed ({type(error).__name__}: {error}); output:\n{captured.getvalue()[-2000:]}"
+                f"{shards}: DeepSpeed's ds_to_universal failed ({type(error).__name__}: {error}); "
+                f"output:\n{captured.getvalue()[-2000:]}"
             ) from error
         self.zero = universal / "zero"
 
@@ -307,7 +308,7 @@ def fill_zero3(optimizer, named: dict, source, step: int) -> None:
         share = parameter.ds_tensor.numel()
         index, offset, numel = optimizer.grad_position[optimizer.get_param_id(parameter)]
 
-        def piece(key: str) -> torch.Tensor:
+        def piece(key: str, name=name, share=share, ranks=ranks, rank=rank) -> torch.Tensor:  # bound now (B023)
             flat = source.tensor(key, name).flatten()
             return torch.nn.functional.pad(flat, (0, share * ranks - flat.numel())).narrow(0, rank * share, share)
 

@@ -157,9 +157,9 @@ def carry_over(
         return
     if changed:
         logger.warning(
-            "data position: continuing from global sample count %d (rule: the global sample count carries over, rounded up to "
-            "this run's global micro-batch of %d samples = %d per rank x world size %d; world size %d -> %d, "
-            "train.micro_batch_size %s -> %d, %d samples consumed)",
+            "data position: continuing from global sample count %d (rule: the global sample count carries over, "
+            "rounded up to this run's global micro-batch of %d samples = %d per rank x world size %d; world size %d "
+            "-> %d, train.micro_batch_size %s -> %d, %d samples consumed)",
             state.consumed_samples,
             samples_per_micro_step,
             samples_per_micro_step // world_size,
@@ -177,14 +177,15 @@ def carry_over(
             else f"{len(state.rng)} RNG states saved for {world_size} ranks"
         )
         logger.warning(
-            "RNG reseeded per rank from (seed, step, rank): %s (rule: per-rank RNG state cannot carry over; python random, "
-            "numpy and torch of rank r seeded with seed*7919 + step*31 + r = %d + r)",
+            "RNG reseeded per rank from (seed, step, rank): %s (rule: per-rank RNG state cannot carry over; python "
+            "random, numpy and torch of rank r seeded with seed*7919 + step*31 + r = %d + r)",
             why,
             base,
         )
     elif changed:
         logger.warning(
-            "RNG: each rank's saved state restored (rule: the world size is unchanged, so rank r continues its own stream)"
+            "RNG: each rank's saved state restored (rule: the world size is unchanged, so rank r continues its own "
+            "stream)"
         )
 
 
@@ -281,6 +282,7 @@ class TrainingCheckpoints:
         run = self.run
         state.world_size = run.dist.world_size
         state.rng = all_gather_objects(capture_rng())
+        vars(state).update(run.data.state_dict())  # the data position: its one owner is run.data
 
         background = run.job.checkpoint.async_save and not final
         # DeepSpeed's shards go out in one pass: sent to the disk while serialised and, unless the hashing
@@ -462,17 +464,17 @@ class TrainingCheckpoints:
             logger.warning(
                 "no %s in %s: continuing from step %d, data position derived from it", STATE_FILE, path, step
             )
-        order = getattr(run.strategy, "order", run.order)
         carry_over(
             state,
             rank=run.dist.rank,
             world_size=run.dist.world_size,
             seed=run.job.train.seed,
-            samples_per_micro_step=order.samples_per_micro_step,
+            samples_per_micro_step=run.data.samples_per_draw,
             micro_batch_size=run.job.train.micro_batch_size,
             saved_micro_batch=saved_micro_batch_size(path),
         )
-        state.epoch = run.order.epoch_of(state.consumed_samples)
+        run.data.load_state_dict({"consumed_samples": state.consumed_samples})
+        state.epoch = run.data.epoch
         continue_schedule(run, path, state.step)  # the path actually loaded (a fallback may have chosen an older one)
         logger.info("resumed from %s at step %d (%d samples consumed)", path, state.step, state.consumed_samples)
         return state

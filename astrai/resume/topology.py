@@ -232,8 +232,9 @@ def convert_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m astrai convert",
         description="Write a checkpoint's portable form (full fp32 weights and Adam moments per engine) into "
-        "<checkpoints>/portable/step_<N>/, so a resume on another world size or ZeRO stage loads it without converting. "
-        "The portable form loads on any topology: --world-size and --zero-stage are only checked and recorded.",
+        "<checkpoints>/portable/step_<N>/, so a resume on another world size or ZeRO stage loads it without "
+        "converting. The portable form loads on any topology: --world-size and --zero-stage are only checked and "
+        "recorded.",
     )
     parser.add_argument(
         "checkpoint", help="a checkpoint folder (step_<N>), or a run's output_dir for its newest checkpoint"
