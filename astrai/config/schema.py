@@ -424,6 +424,12 @@ class RolloutConfig(Section):
         "KV-cached kernels differ from the full forward by ~1e-6 in fp32, ~1e-2 in bf16); `auto`: `sampler` when the "
         "policy trains in fp32, `recompute` in bf16/fp16.",
     )
+    share_prefill: bool = Field(
+        True,
+        description="Prefill each prompt once and repeat its KV cache to the group before decoding, instead of "
+        "prefilling all group_size copies (TRL's way); same tokens and log-probs for the same seed. false: every "
+        "copy prefilled.",
+    )
 
 
 class OverlongPenalty(Section):
