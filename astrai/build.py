@@ -24,6 +24,7 @@ from astrai.engine import (
     resolve_precision,
     zero3_loading,
 )
+from astrai.eval.data import split_eval_data
 from astrai.init_from_checkpoint import load_checkpoint_weights
 from astrai.models.lora import apply_lora, base_model_identity, critic_base_identity
 from astrai.models.policy import build_policy
@@ -194,6 +195,7 @@ def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
     dataset, skipped = prepare_dataset(strategy, rows, dist.is_main)
     if skipped:
         logger.warning("skipped %d malformed rows (data.on_bad_row: skip)", skipped)
+    dataset, eval_dataset = split_eval_data(job, strategy, dataset, output_dir, dist.is_main)
     # The run's one data order: what one draw takes per rank is the strategy's (a micro-batch, or a step's prompts);
     # with data.packing a step's micro-batches are cut by tokens (TokenBalancedOrder).
     order = make_order(job, dataset, dist, strategy.rows_per_draw(dist.world_size))
@@ -231,5 +233,6 @@ def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
         torch.get_num_threads(),
     )
     run = Run(job, dist, output_dir, tokenizer, strategy, DataStream(dataset, order), steps, engines, skipped)
+    run.eval_dataset = eval_dataset
     strategy.setup(run)
     return run

@@ -254,6 +254,22 @@ class DeepSpeedSection(Section):
     )
 
 
+class KeepBest(Section):
+    """The checkpoint to keep beside the newest `keep_last`: the best one by an eval metric."""
+
+    metric: str = Field(
+        ...,
+        description="An eval metric the job's eval produces, e.g. `eval/loss` (the `eval/` prefix may be left out); "
+        "checked before training.",
+    )
+    mode: Literal["min", "max"] = Field(..., description="`min`: lower is better (a loss); `max`: higher (accuracy).")
+
+    @field_validator("metric")
+    @classmethod
+    def _prefixed(cls, value: str) -> str:
+        return value if value.startswith("eval/") else f"eval/{value}"
+
+
 class CheckpointConfig(Section):
     every_steps: int | None = Field(
         None, ge=1, description="Publish a checkpoint every N optimizer steps (always at the end of a run)."
@@ -267,6 +283,11 @@ class CheckpointConfig(Section):
         "auto", description="`auto`: newest valid checkpoint in output_dir; `never`: start fresh; or a checkpoint path."
     )
     verify_on_load: bool = Field(False, description="Re-hash every file against the manifest before resuming.")
+    keep_best: KeepBest | None = Field(
+        None,
+        description="Keep the best checkpoint by an eval metric beside the newest `keep_last` (retention never deletes "
+        "it); each checkpoint's manifest records the eval figures of its step; `export-hf --best` exports it.",
+    )
     hash: Literal["sha256", "blake2b", "xxh3_128"] = Field(
         "sha256",
         description="File digest recorded in the manifest: sha256 (~1.1 GB/s a core, cryptographic; files hash in "
@@ -283,6 +304,61 @@ class CheckpointConfig(Section):
         "only while the shards are written); the next save, and the run's end, wait for it and fail on its error. The "
         "final save is always synchronous.",
     )
+
+
+class EvalConfig(Section):
+    """Held-out evaluation during training (docs/guides/training.md, "Evaluation")."""
+
+    data_path: str | None = Field(
+        None, description="Eval data, in the formats of `data.path` (exclusive with `holdout`)."
+    )
+    format: Literal["auto", "json", "parquet", "arrow"] = Field(
+        "auto", description="File format of `data_path`; `auto` reads it from the extension."
+    )
+    holdout: float | int | None = Field(
+        None,
+        gt=0,
+        description="Hold out of `data.path` a fraction (0 < x < 1) or a count (an integer >= 1) of the prepared "
+        "examples, chosen by `train.seed`, the same on every rank and on resume; never trained on.",
+    )
+    every_steps: int | None = Field(
+        None, ge=1, description="Evaluate every N steps (null: only at the end; there is always one at the end)."
+    )
+    max_samples: int | None = Field(
+        None, ge=1, description="Evaluate at most this many examples (prompts for the online types): the first ones."
+    )
+    at_start: bool = Field(False, description="Also evaluate before the first step of a fresh run (logged as step 0).")
+    pass_k: int = Field(
+        1,
+        ge=1,
+        description="Online types: k of `eval/pass@k`, the unbiased estimate from `samples_per_prompt` answers.",
+    )
+    samples_per_prompt: int | None = Field(
+        None,
+        ge=1,
+        description="Online types: answers sampled per eval prompt with the training sampler (null: "
+        "`rollout.group_size`); at least `pass_k`.",
+    )
+    pass_threshold: float = Field(
+        1.0,
+        description="Online types: an answer passes (pass@k, `greedy_pass`) when its total reward is at least this.",
+    )
+    log_samples: int = Field(
+        4, ge=0, description="Online types: prompts (with their answers) appended to `eval_samples.jsonl` per eval."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EvalConfig:
+        if (self.data_path is None) == (self.holdout is None):
+            raise ValueError("an eval section needs data: give exactly one of `eval.data_path` or `eval.holdout`")
+        if isinstance(self.holdout, float) and not self.holdout < 1:
+            raise ValueError(f"`eval.holdout` {self.holdout} is neither a fraction (< 1) nor a count (an integer)")
+        if self.samples_per_prompt is not None and self.samples_per_prompt < self.pass_k:
+            raise ValueError(
+                f"`eval.pass_k` {self.pass_k} > `eval.samples_per_prompt` {self.samples_per_prompt}: pass@k needs "
+                "at least k answers per prompt"
+            )
+        return self
 
 
 class RuntimeConfig(Section):
@@ -462,6 +538,12 @@ class RolloutConfig(Section):
         "logits at each step (no extra forward: 1.1x the rollout tokens/s in benchmarks/rollout_speed.py; the "
         "KV-cached kernels differ from the full forward by ~1e-6 in fp32, ~1e-2 in bf16); `auto`: `sampler` when the "
         "policy trains in fp32, `recompute` in bf16/fp16.",
+    )
+    share_prefill: bool = Field(
+        True,
+        description="Prefill each prompt once and repeat its KV cache to the group before decoding, instead of "
+        "prefilling all group_size copies (TRL's way); same tokens and log-probs for the same seed. false: every "
+        "copy prefilled.",
     )
 
 
@@ -795,6 +877,9 @@ class JobConfig(Section):
     train: TrainConfig = Field(..., description="The train type and its optimisation hyperparameters.")
     deepspeed: DeepSpeedSection = Field(
         default_factory=DeepSpeedSection, description="DeepSpeed: a template from `ds_configs/` plus job overrides."
+    )
+    eval: EvalConfig | None = Field(
+        None, description="Held-out evaluation during training: data, cadence, online pass@k (null: none)."
     )
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig,

@@ -28,6 +28,10 @@ samples from the partitioned module inside one gather of every parameter instead
 so that a rank whose responses all ended keeps stepping while others generate (every forward of the
 partitioned module is a collective); its hooks make it ~5x slower on a CPU.
 
+One prefill per prompt group (`rollout.share_prefill`, default on): the distinct prompts run one forward and
+their KV cache is repeated to the group before generate decodes (`shared_prefill.py`); same tokens for the
+same seed as prefilling every copy.
+
 Sampling randomness: each rollout draws from its own seed, `sampling_seed(seed, step, rank)`, in a
 forked RNG, so a resumed run samples the same responses as an uninterrupted one (same world size).
 """
@@ -44,6 +48,7 @@ import torch.distributed as dist
 from astrai.models.lora import is_lora_model
 from astrai.rollout.sampler import TokenSampler
 from astrai.rollout.sequences import join_sequences, left_pad, response_logprobs, response_mask, truncated_rows
+from astrai.rollout.shared_prefill import group_prefill_cache, shares_prefill
 
 SEED_MODULUS = 2**63 - 1
 
@@ -171,10 +176,13 @@ def sample_responses(
     settings,
     tokenizer,
     sampler: TokenSampler | None = None,
+    group_size: int = 1,
 ) -> torch.Tensor:
     """Sampled continuation ids [N, R] (R <= max_new_tokens; finished rows padded with the pad id).
     sampler: the TokenSampler generate calls at every step (pass one built with keep_logprobs to read the
-    sampler's behaviour log-probs afterwards); by default one without."""
+    sampler's behaviour log-probs afterwards); by default one without. group_size: the prompt rows are
+    groups of this many identical rows; with `settings.share_prefill` each group's prompt is prefilled once
+    (`shared_prefill.py`)."""
     from transformers import LogitsProcessorList
 
     if sampler is None:
@@ -191,12 +199,15 @@ def sample_responses(
         was_training = model.training
         model.eval()  # no dropout while sampling; the behaviour log-probs come from the training forward anyway
         try:
+            share = shares_prefill(settings, group_size, prompt_ids, model, synced=synced)
+            cache = {"cache": group_prefill_cache(model, prompt_ids, prompt_mask, group_size)} if share else {}
             output = model.generate(
                 input_ids=prompt_ids,
                 attention_mask=prompt_mask,
                 generation_config=sampling_config(settings, tokenizer, do_sample=False),
                 synced_gpus=synced,
                 logits_processor=LogitsProcessorList([sampler]),
+                **cache,
             )
         finally:
             model.train(was_training)
@@ -241,7 +252,7 @@ def generate_rollout(
         settings.temperature, settings.top_k, settings.top_p, keep_logprobs=from_sampler, vocab_size=len(tokenizer)
     )
     with forked_rng(seed, device):
-        response_ids = sample_responses(engine, prompts, prompt_mask, settings, tokenizer, sampler)
+        response_ids = sample_responses(engine, prompts, prompt_mask, settings, tokenizer, sampler, group_size=group)
     mask = response_mask(response_ids, tokenizer.eos_token_id)
     if not behaviour_logprobs:
         behaviour = None

@@ -70,6 +70,7 @@ def _sequences(batch: dict) -> int:
 class DpoStrategy(Strategy):
     name = "dpo"
     loop = "offline"
+    eval_metric_names = ("loss", "accuracy", "margin")
 
     def prepare_data(self, rows) -> tuple[datasets.Dataset, int]:
         return render_rows(
@@ -106,21 +107,25 @@ class DpoStrategy(Strategy):
             self.job, self.tokenizer, policy_config, policy=run.engines["policy"]
         )
         if self.job.dpo.precompute_reference:
-            run.dataset = self._precompute(run)
+            run.dataset = self._precompute(run, run.dataset)
+            if run.eval_dataset is not None:  # the eval pairs need theirs too
+                run.eval_dataset = self._precompute(run, run.eval_dataset)
             self.reference = None  # freed: the log-probs now travel with the data
 
-    def _precompute(self, run: Run) -> datasets.Dataset:
+    def _precompute(self, run: Run, dataset: datasets.Dataset) -> datasets.Dataset:
         """Reference log-probs of every pair, computed once, rank r taking pairs r, r+W, ...
 
         Every rank runs the same number of forwards (the last batch is padded with repeats) because
         a ZeRO-3 forward is a collective."""
-        size, world, micro = len(run.dataset), run.dist.world_size, self.job.train.micro_batch_size
+        size, world, micro = len(dataset), run.dist.world_size, self.job.train.micro_batch_size
         own = list(range(run.dist.rank, size, world))
         rounds = math.ceil(math.ceil(size / world) / micro)
         results: dict[int, tuple[float, float]] = {}
         for round_index in range(rounds):
-            indices = own[round_index * micro : (round_index + 1) * micro] or own[:1]
-            batch = self._to_device(self.collate([run.dataset[i] for i in indices]))
+            indices = (
+                own[round_index * micro : (round_index + 1) * micro] or own[:1] or [0]
+            )  # a rank without pairs pads
+            batch = self._to_device(self.collate([dataset[i] for i in indices]))
             average = self.job.dpo.loss in AVERAGED_LOSSES
             logps = completion_logprobs(self.reference, batch, average=average, vocab_size=len(self.tokenizer))
             pairs = len(indices)
@@ -130,7 +135,6 @@ class DpoStrategy(Strategy):
         for part in all_gather_objects(results):
             merged.update(part)
         logger.info("precomputed reference log-probs of %d pairs; the reference model is freed", len(merged))
-        dataset = run.dataset
         for column, position in zip(REFERENCE_COLUMNS, (0, 1)):
             dataset = dataset.add_column(column, [merged[i][position] for i in range(size)])
         return dataset
@@ -187,6 +191,16 @@ class DpoStrategy(Strategy):
         router = self.router_aux_loss(policy, output, float(pairs), normalizer, sums, float(pairs))
         loss = objective.losses.sum() / normalizer + router
         return StepOutput(loss, sums)
+
+    def eval_metrics(self, totals: dict[str, float]) -> dict[str, float]:
+        """Means over every held-out pair: the loss, the reward accuracy (chosen's implicit reward above the
+        rejected's) and the reward margin (chosen minus rejected)."""
+        pairs = max(totals["weight"], 1.0)
+        return {
+            "loss": totals["loss"] / pairs,
+            "accuracy": totals["reward_accuracy"] / pairs,
+            "margin": totals["reward_margin"] / pairs,
+        }
 
     def _objective(self, chosen: torch.Tensor, rejected: torch.Tensor, batch: dict, average: bool):
         """The configured loss of B pairs from the policy's log-probs [B] each (averaged for ipo/simpo/orpo)."""

@@ -6,6 +6,7 @@ how rows become tokens.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import datasets
@@ -21,6 +22,7 @@ from astrai.strategies.base import StepOutput, Strategy, register
 
 class LanguageModelingStrategy(Strategy):
     loop = "offline"
+    eval_metric_names = ("loss", "perplexity")
 
     def collate(self, rows: list[dict]) -> dict:
         """Right-padded [rows, longest], or with `data.packing` one packed row [1, tokens] (data/packing.py)."""
@@ -46,6 +48,12 @@ class LanguageModelingStrategy(Strategy):
         router = self.router_aux_loss(policy, output, float(count), normalizer, sums, float(count))
         loss = loss_sum / normalizer + router
         return StepOutput(loss, sums)
+
+    def eval_metrics(self, totals: dict[str, float]) -> dict[str, float]:
+        """`loss`: the token mean of the cross-entropy over every held-out loss token of every rank;
+        `perplexity`: exp(loss)."""
+        loss = totals["loss"] / max(totals["weight"], 1.0)
+        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}  # exp(>709) overflows a float
 
 
 @register
