@@ -145,7 +145,7 @@ def train_offline(run: Run) -> TrainerState:
         is_main=run.dist.is_main,
         total_steps=run.total_steps,
         start_step=state.step,
-        tensorboard=job.runtime.tensorboard,
+        job=job,
         progress_bar=job.runtime.progress_bar,
     )
     batches = run.order.micro_batches(state.consumed_samples)
@@ -219,7 +219,7 @@ def train_online(run: Run) -> TrainerState:
         is_main=run.dist.is_main,
         total_steps=run.total_steps,
         start_step=state.step,
-        tensorboard=job.runtime.tensorboard,
+        job=job,
         progress_bar=job.runtime.progress_bar,
     )
     prompt_batches = strategy.prompt_batches(state.consumed_samples)

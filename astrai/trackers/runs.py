@@ -1,0 +1,115 @@
+"""The trackers of one run, on rank 0: started together, fed every metrics record, a failure isolated.
+
+`<output_dir>/trackers.json` keeps, per tracker, what reopens its run (`run_id`, MLflow's `tracking_uri`)
+and `last_step`, the newest step it was sent. A resume from a checkpoint (start_step > 0) reopens the same
+runs; a fresh start (no checkpoint, or `checkpoint.resume: never`) opens new ones.
+
+Steps past the resumed checkpoint that the interrupted run had already logged: metrics.jsonl is trimmed
+and gets the resumed run's records for them; TensorBoard purges them (its purge_step) and takes the
+resumed values too; W&B and MLflow only append, so the resumed run does not send them a second time:
+they keep the interrupted run's values for those steps, and take records again from `last_step + 1`.
+(A resumed run retraces the same steps, so the two agree up to nondeterminism of the kernels.)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+from astrai.trackers import TRACKERS, installed, selected_trackers
+from astrai.trackers.base import Tracker, numeric_metrics
+
+logger = logging.getLogger("astrai.trackers")
+
+STATE_FILE = "trackers.json"
+
+
+def read_state(output_dir: Path) -> dict:
+    path = Path(output_dir) / STATE_FILE
+    try:
+        state = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, json.JSONDecodeError) as error:
+        logger.warning("%s unreadable (%s): the trackers open new runs", path, error)
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+class Trackers:
+    """Every selected tracker of a job (`runtime.trackers`); build it on rank 0 only."""
+
+    def __init__(self, job, output_dir: Path, start_step: int):
+        self.path = Path(output_dir) / STATE_FILE
+        previous = read_state(output_dir) if start_step > 0 else {}
+        self._active: list[Tracker] = []
+        # Entries of trackers not running now (not selected, or failed to start) are kept for a later resume.
+        self._state: dict[str, dict] = {name: entry for name, entry in previous.items() if isinstance(entry, dict)}
+        for name, required in selected_trackers(job.runtime):
+            spec = TRACKERS[name]
+            if not required and not installed(spec.module):
+                logger.info("%s not installed; metrics go to metrics.jsonl only", name)
+                continue
+            saved = self._state.get(name)
+            try:
+                tracker = spec.load()()
+                record = tracker.start(job, Path(output_dir), start_step, saved)
+            except Exception as error:  # a tracker never stops training: e.g. no network for W&B online
+                logger.warning("tracker %s disabled: it failed to start (%s: %s)", name, type(error).__name__, error)
+                continue
+            same_run = bool(saved) and bool(record) and all(saved.get(key) == value for key, value in record.items())
+            self._state[name] = {**record, "last_step": saved.get("last_step", 0) if same_run else 0}
+            self._active.append(tracker)
+        self._save()
+
+    @property
+    def names(self) -> list[str]:
+        return [tracker.name for tracker in self._active]
+
+    def log(self, step: int, record: dict) -> None:
+        metrics = numeric_metrics(record)
+        sent = False
+        for tracker in list(self._active):
+            state = self._state[tracker.name]
+            if not tracker.replaces_steps and step <= state["last_step"]:
+                continue  # it already holds this step from the interrupted run (module docstring)
+            if self._call(tracker, "log", step, metrics):
+                state["last_step"], sent = step, sent or not tracker.replaces_steps
+        if sent:
+            self._save()
+
+    def flush(self) -> None:
+        for tracker in list(self._active):
+            self._call(tracker, "flush")
+
+    def finish(self) -> None:
+        for tracker in list(self._active):
+            self._call(tracker, "finish")
+        self._active = []
+
+    def _call(self, tracker: Tracker, method: str, *arguments) -> bool:
+        try:
+            getattr(tracker, method)(*arguments)
+            return True
+        except Exception as error:  # logged once: the tracker is dropped, training goes on
+            logger.warning(
+                "tracker %s disabled after a failed %s (%s: %s)", tracker.name, method, type(error).__name__, error
+            )
+            self._active.remove(tracker)
+            return False
+
+    def _save(self) -> None:
+        """Rewrite trackers.json (temp + rename; no fsync: it is a hint, and the page cache outlives a crash)."""
+        if not self._state:
+            return
+        temporary = self.path.with_name(self.path.name + ".tmp")
+        temporary.write_text(json.dumps(self._state, indent=1, sort_keys=True) + "\n")
+        os.replace(temporary, self.path)
+
+
+def tensorboard_job(enabled: bool) -> SimpleNamespace:
+    """Stands for a job in a MetricsLog built without one (tools, tests): TensorBoard when asked and installed."""
+    return SimpleNamespace(runtime=SimpleNamespace(trackers=None, tensorboard=enabled))
