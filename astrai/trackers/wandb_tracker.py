@@ -34,6 +34,11 @@ class WandbTracker(Tracker):
     name = "wandb"
 
     def start(self, job, output_dir: Path, start_step: int, saved: dict | None) -> dict:
+        mode = wandb_mode()
+        if mode is not None:
+            # Through the environment, not only wandb.init(mode=...): W&B's process-wide settings (its own
+            # telemetry probe, which looks up its server) read WANDB_MODE, and offline must mean no network.
+            os.environ["WANDB_MODE"] = mode
         import wandb
 
         run_id = (saved or {}).get("run_id")  # None: W&B draws a new id
@@ -50,7 +55,6 @@ class WandbTracker(Tracker):
             resume="allow",
             dir=str(output_dir),
             config=job.model_dump(mode="json"),
-            mode=wandb_mode(),
             settings=settings,
         )
         mode = "offline" if self._run.offline else "online"
