@@ -46,8 +46,11 @@ class Trackers:
         self.path = Path(output_dir) / STATE_FILE
         previous = read_state(output_dir) if start_step > 0 else {}
         self._active: list[Tracker] = []
-        # Entries of trackers not running now (not selected, or failed to start) are kept for a later resume.
+        # What reopens each tracker's run, and the newest step sent to it. Entries of trackers not running
+        # now (not selected, or failed to start) are kept for a later resume. TensorBoard has none.
         self._state: dict[str, dict] = {name: entry for name, entry in previous.items() if isinstance(entry, dict)}
+        # Per appending tracker: the steps its reopened run already holds from the interrupted run.
+        self._held_through: dict[str, int] = {}
         for name, required in selected_trackers(job.runtime):
             spec = TRACKERS[name]
             if not required and not installed(spec.module):
@@ -60,9 +63,12 @@ class Trackers:
             except Exception as error:  # a tracker never stops training: e.g. no network for W&B online
                 logger.warning("tracker %s disabled: it failed to start (%s: %s)", name, type(error).__name__, error)
                 continue
-            same_run = bool(saved) and bool(record) and all(saved.get(key) == value for key, value in record.items())
-            self._state[name] = {**record, "last_step": saved.get("last_step", 0) if same_run else 0}
             self._active.append(tracker)
+            if record:
+                same_run = bool(saved) and all(saved.get(key) == value for key, value in record.items())
+                held = int(saved.get("last_step", 0)) if same_run else 0
+                self._held_through[name] = held
+                self._state[name] = {**record, "last_step": held}
         self._save()
 
     @property
@@ -70,15 +76,21 @@ class Trackers:
         return [tracker.name for tracker in self._active]
 
     def log(self, step: int, record: dict) -> None:
+        """Send `record` to every tracker. Several records of one step (training, then eval) all go;
+        a step the reopened run already holds (module docstring) goes to no appending tracker."""
         metrics = numeric_metrics(record)
-        sent = False
+        advanced = False
         for tracker in list(self._active):
-            state = self._state[tracker.name]
-            if not tracker.replaces_steps and step <= state["last_step"]:
-                continue  # it already holds this step from the interrupted run (module docstring)
-            if self._call(tracker, "log", step, metrics):
-                state["last_step"], sent = step, sent or not tracker.replaces_steps
-        if sent:
+            name = tracker.name
+            if not tracker.replaces_steps and step <= self._held_through.get(name, 0):
+                continue
+            if (
+                self._call(tracker, "log", step, metrics)
+                and name in self._state
+                and step > self._state[name]["last_step"]
+            ):
+                self._state[name]["last_step"], advanced = step, True
+        if advanced:
             self._save()
 
     def flush(self) -> None:

@@ -66,7 +66,8 @@ def wandb_run(run_file: Path) -> dict:
             config.update({item.key: json.loads(item.value_json) for item in record.config.update})
         elif kind == "history":
             items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
-            history[record.history.step.num] = {key: value for key, value in items.items() if not key.startswith("_")}
+            row = history.setdefault(record.history.step.num, {})  # several log calls of one step: one row
+            row.update({key: value for key, value in items.items() if not key.startswith("_")})
     return {"run_id": run_id, "config": config, "history": history}
 
 
@@ -106,8 +107,10 @@ def tiny_job(tmp_path: Path, *sets: str):
 
 
 def log_steps(trackers: Trackers, steps, offset: float = 0.0) -> None:
+    """Per step a training record, then (as an eval does) a second record of the same step."""
     for step in steps:
-        trackers.log(step, {"loss": 1.0 / step + offset, "eval/loss": 2.0 / step + offset, "note": "text"})
+        trackers.log(step, {"loss": 1.0 / step + offset, "note": "text", "flag": True, "nan": float("nan")})
+        trackers.log(step, {"eval/loss": 2.0 / step + offset})
 
 
 def test_wandb_and_mlflow_hold_the_metrics_and_a_resume_continues_their_runs(tmp_path):
@@ -195,6 +198,7 @@ def test_a_tracker_whose_server_is_down_is_dropped_at_start(tmp_path, monkeypatc
     log_steps(trackers, [1])
     trackers.finish()
     assert list(Path(job.output_dir, "tensorboard").glob("events.out.tfevents.*"))
+    assert not (Path(job.output_dir) / STATE_FILE).exists()  # TensorBoard has no run to reopen
 
 
 class HideModule:
