@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 logger = logging.getLogger("astrai.metrics")
@@ -105,7 +106,8 @@ class MetricsLog:
             self._file.close()
             self._file = None
         if self._trackers is not None:
-            self._trackers.finish()
+            # Called from the loops' `finally`: an exception on its way out marks the tracker runs failed.
+            self._trackers.finish(failed=sys.exc_info()[0] is not None)
             self._trackers = None
         if self._bar is not None:
             self._bar.close()

@@ -27,7 +27,8 @@ class Tracker:
     def flush(self) -> None:
         """Make what was logged durable where the tracker allows it (called before each checkpoint publish)."""
 
-    def finish(self) -> None:
+    def finish(self, failed: bool) -> None:
+        """Close the run; `failed`: the training ended with an error (the run is marked so, where it can be)."""
         raise NotImplementedError
 
 

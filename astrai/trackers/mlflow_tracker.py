@@ -68,5 +68,5 @@ class MlflowTracker(Tracker):
         for first in range(0, len(points), BATCH):
             self._client.log_batch(self._run_id, metrics=points[first : first + BATCH])
 
-    def finish(self) -> None:
-        self._client.set_terminated(self._run_id)
+    def finish(self, failed: bool) -> None:
+        self._client.set_terminated(self._run_id, status="FAILED" if failed else "FINISHED")

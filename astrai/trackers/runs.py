@@ -97,9 +97,9 @@ class Trackers:
         for tracker in list(self._active):
             self._call(tracker, "flush")
 
-    def finish(self) -> None:
+    def finish(self, failed: bool = False) -> None:
         for tracker in list(self._active):
-            self._call(tracker, "finish")
+            self._call(tracker, "finish", failed)
         self._active = []
 
     def _call(self, tracker: Tracker, method: str, *arguments) -> bool:

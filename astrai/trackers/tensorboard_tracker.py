@@ -26,5 +26,5 @@ class TensorBoardTracker(Tracker):
     def flush(self) -> None:
         self._writer.flush()
 
-    def finish(self) -> None:
+    def finish(self, failed: bool) -> None:
         self._writer.close()

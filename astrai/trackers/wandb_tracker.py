@@ -64,8 +64,10 @@ class WandbTracker(Tracker):
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self._run.log(metrics, step=step)
 
-    def finish(self) -> None:
-        finisher = threading.Thread(target=self._run.finish, name="wandb-finish", daemon=True)
+    def finish(self, failed: bool) -> None:
+        finisher = threading.Thread(
+            target=self._run.finish, kwargs={"exit_code": 1 if failed else 0}, name="wandb-finish", daemon=True
+        )
         finisher.start()
         finisher.join(FINISH_TIMEOUT_S)
         if finisher.is_alive():

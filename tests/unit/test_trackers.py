@@ -55,8 +55,9 @@ def wandb_records(path: Path) -> list:
 
 
 def wandb_run(run_file: Path) -> dict:
-    """{run_id, config (top-level keys, JSON-decoded), history: {step: {key: value}}} of one offline run file."""
-    run_id, config, history = None, {}, {}
+    """{run_id, config (top-level keys, JSON-decoded), history: {step: {key: value}}, exit_code} of one
+    offline run file."""
+    run_id, config, history, exit_code = None, {}, {}, None
     for record in wandb_records(run_file):
         kind = record.WhichOneof("record_type")
         if kind == "run":
@@ -68,7 +69,9 @@ def wandb_run(run_file: Path) -> dict:
             items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
             row = history.setdefault(record.history.step.num, {})  # several log calls of one step: one row
             row.update({key: value for key, value in items.items() if not key.startswith("_")})
-    return {"run_id": run_id, "config": config, "history": history}
+        elif kind == "exit":
+            exit_code = record.exit.exit_code
+    return {"run_id": run_id, "config": config, "history": history, "exit_code": exit_code}
 
 
 def wandb_runs(output_dir: Path) -> list[dict]:
@@ -119,7 +122,7 @@ def test_wandb_and_mlflow_hold_the_metrics_and_a_resume_continues_their_runs(tmp
     first = Trackers(job, output_dir, start_step=0)
     assert first.names == ["wandb", "mlflow"]
     log_steps(first, range(1, 6))  # steps 1-5; say the newest checkpoint is step 3 when the run dies
-    first.finish()
+    first.finish(failed=True)
     # The resumed run starts at step 3: steps 4 and 5 are not sent again (offset: other values if they were).
     resumed = Trackers(job, output_dir, start_step=3)
     log_steps(resumed, range(4, 8), offset=100.0)
@@ -131,6 +134,7 @@ def test_wandb_and_mlflow_hold_the_metrics_and_a_resume_continues_their_runs(tmp
     assert sorted(runs[1]["history"]) == [6, 7]
     assert runs[0]["history"][2] == {"loss": 0.5, "eval/loss": 1.0}
     assert runs[1]["history"][6] == {"loss": pytest.approx(1 / 6 + 100), "eval/loss": pytest.approx(2 / 6 + 100)}
+    assert (runs[0]["exit_code"], runs[1]["exit_code"]) == (1, 0)
     assert runs[0]["config"]["train"]["lr"] == 0.003 and runs[0]["config"]["output_dir"] == str(output_dir)
 
     run_id, losses = mlflow_history(output_dir, "loss")
@@ -139,6 +143,11 @@ def test_wandb_and_mlflow_hold_the_metrics_and_a_resume_continues_their_runs(tmp
     assert all(len(values) == 1 for values in losses.values())
     assert losses[5] == [pytest.approx(0.2)] and losses[7] == [pytest.approx(1 / 7 + 100)]
     assert eval_losses[1] == [2.0]
+    from mlflow.tracking import MlflowClient
+
+    assert (
+        MlflowClient((output_dir / "mlruns").as_uri()).get_run(run_id).info.status == "FINISHED"
+    )  # FAILED, then resumed
     params = mlflow_params(output_dir)
     assert params["train.lr"] == "0.003" and params["train.train_type"] == "sft"
     state = json.loads((output_dir / STATE_FILE).read_text())
