@@ -123,6 +123,11 @@ def test_wandb_and_mlflow_hold_the_metrics_and_a_resume_continues_their_runs(tmp
     assert first.names == ["wandb", "mlflow"]
     log_steps(first, range(1, 6))  # steps 1-5; say the newest checkpoint is step 3 when the run dies
     first.finish(failed=True)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient((output_dir / "mlruns").as_uri())
+    first_id = json.loads((output_dir / STATE_FILE).read_text())["mlflow"]["run_id"]
+    assert client.get_run(first_id).info.status == "FAILED"
     # The resumed run starts at step 3: steps 4 and 5 are not sent again (offset: other values if they were).
     resumed = Trackers(job, output_dir, start_step=3)
     log_steps(resumed, range(4, 8), offset=100.0)
@@ -143,11 +148,7 @@ def test_wandb_and_mlflow_hold_the_metrics_and_a_resume_continues_their_runs(tmp
     assert all(len(values) == 1 for values in losses.values())
     assert losses[5] == [pytest.approx(0.2)] and losses[7] == [pytest.approx(1 / 7 + 100)]
     assert eval_losses[1] == [2.0]
-    from mlflow.tracking import MlflowClient
-
-    assert (
-        MlflowClient((output_dir / "mlruns").as_uri()).get_run(run_id).info.status == "FINISHED"
-    )  # FAILED, then resumed
+    assert run_id == first_id and client.get_run(run_id).info.status == "FINISHED"  # reopened, then finished
     params = mlflow_params(output_dir)
     assert params["train.lr"] == "0.003" and params["train.train_type"] == "sft"
     state = json.loads((output_dir / STATE_FILE).read_text())
