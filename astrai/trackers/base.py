@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,22 @@ def numeric_metrics(record: dict[str, Any]) -> dict[str, float]:
         for key, value in record.items()
         if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     }
+
+
+SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|AUTH", re.IGNORECASE)
+REDACTED = "<redacted>"
+
+
+def tracked_config(job) -> dict[str, Any]:
+    """The resolved job as a tracker records it (job.yaml's content), less the values of
+    `runtime.environment` variables whose names look secret (WANDB_API_KEY, HF_TOKEN, ...): a tracker
+    may send its config to a server, job.yaml stays on the machine."""
+    config = job.model_dump(mode="json")
+    environment = config.get("runtime", {}).get("environment", {})
+    for name in environment:
+        if SECRET_NAME.search(name):
+            environment[name] = REDACTED
+    return config
 
 
 def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:

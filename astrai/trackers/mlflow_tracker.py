@@ -14,7 +14,7 @@ import os
 import time
 from pathlib import Path
 
-from astrai.trackers.base import Tracker, flatten, run_name
+from astrai.trackers.base import Tracker, flatten, run_name, tracked_config
 
 logger = logging.getLogger("astrai.trackers")
 
@@ -49,7 +49,7 @@ class MlflowTracker(Tracker):
                 experiment_id, run_name=run_name(output_dir), tags={"astrai.output_dir": str(output_dir)}
             )
         self._run_id = run.info.run_id
-        params = {key: value[:PARAM_LENGTH] for key, value in flatten(job.model_dump(mode="json")).items()}
+        params = {key: value[:PARAM_LENGTH] for key, value in flatten(tracked_config(job)).items()}
         logged = run.data.params
         changed = sorted(key for key, value in params.items() if key in logged and logged[key] != value)
         if changed:

@@ -15,7 +15,7 @@ import os
 import threading
 from pathlib import Path
 
-from astrai.trackers.base import Tracker, run_name
+from astrai.trackers.base import Tracker, run_name, tracked_config
 
 logger = logging.getLogger("astrai.trackers")
 
@@ -54,7 +54,7 @@ class WandbTracker(Tracker):
             id=run_id,
             resume="allow",
             dir=str(output_dir),
-            config=job.model_dump(mode="json"),
+            config=tracked_config(job),
             settings=settings,
         )
         mode = "offline" if self._run.offline else "online"

@@ -117,7 +117,8 @@ def log_steps(trackers: Trackers, steps, offset: float = 0.0) -> None:
 
 
 def test_wandb_and_mlflow_hold_the_metrics_and_a_resume_continues_their_runs(tmp_path):
-    job = tiny_job(tmp_path, "runtime.trackers=[wandb,mlflow]", "train.lr=0.003")
+    secret = "runtime.environment={HF_TOKEN: hf_secret, ASTR_LOG_LEVEL: INFO}"
+    job = tiny_job(tmp_path, "runtime.trackers=[wandb,mlflow]", "train.lr=0.003", secret)
     output_dir = Path(job.output_dir)
     first = Trackers(job, output_dir, start_step=0)
     assert first.names == ["wandb", "mlflow"]
@@ -141,6 +142,8 @@ def test_wandb_and_mlflow_hold_the_metrics_and_a_resume_continues_their_runs(tmp
     assert runs[1]["history"][6] == {"loss": pytest.approx(1 / 6 + 100), "eval/loss": pytest.approx(2 / 6 + 100)}
     assert (runs[0]["exit_code"], runs[1]["exit_code"]) == (1, 0)
     assert runs[0]["config"]["train"]["lr"] == 0.003 and runs[0]["config"]["output_dir"] == str(output_dir)
+    # A secret-looking variable's value never reaches a tracker's config (a tracker may upload it).
+    assert runs[0]["config"]["runtime"]["environment"] == {"HF_TOKEN": "<redacted>", "ASTR_LOG_LEVEL": "INFO"}
 
     run_id, losses = mlflow_history(output_dir, "loss")
     _, eval_losses = mlflow_history(output_dir, "eval/loss")
@@ -151,6 +154,8 @@ def test_wandb_and_mlflow_hold_the_metrics_and_a_resume_continues_their_runs(tmp
     assert run_id == first_id and client.get_run(run_id).info.status == "FINISHED"  # reopened, then finished
     params = mlflow_params(output_dir)
     assert params["train.lr"] == "0.003" and params["train.train_type"] == "sft"
+    assert params["runtime.environment.HF_TOKEN"] == "<redacted>"
+    assert params["runtime.environment.ASTR_LOG_LEVEL"] == "INFO"
     state = json.loads((output_dir / STATE_FILE).read_text())
     assert state["mlflow"]["run_id"] == run_id and state["wandb"]["last_step"] == 7
 
