@@ -25,7 +25,7 @@ from astrai.engine import (
     resolve_precision,
     zero3_loading,
 )
-from astrai.models.checkpoint_weights import load_checkpoint_weights
+from astrai.init_from_checkpoint import load_checkpoint_weights
 from astrai.models.policy import build_policy
 from astrai.models.tokenizer import (
     TOKENIZER_DIR,

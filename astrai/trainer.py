@@ -19,10 +19,10 @@ from collections import defaultdict
 import torch
 
 from astrai.build import Run
-from astrai.checkpointing import TrainerState, TrainingCheckpoints
 from astrai.engine import Engine, all_reduce_sum, all_reduce_sums
 from astrai.errors import AstraiError
 from astrai.metrics import MetricsLog
+from astrai.resume.checkpointing import TrainerState, TrainingCheckpoints
 from astrai.rollout import rollout_metrics
 
 logger = logging.getLogger("astrai.trainer")

@@ -283,10 +283,12 @@ def render_markdown(payload: dict) -> str:
     settings = payload["settings"]
     lines = [
         f"### Step overhead, in-process ({payload['world_size']} rank(s), ZeRO-{payload['zero_stage']}, "
-        f"{payload['threads_per_rank']} thread(s) per rank; {settings['rounds']} rounds x {settings['block']} steps per variant)",
+        f"{payload['threads_per_rank']} thread(s) per rank; {settings['rounds']} rounds x {settings['block']} steps "
+        "per variant)",
         "",
         machine_line(payload["machine"]),
-        f"Model: {payload['parameters'] / 1e6:.1f}M-parameter Llama, seq {settings['seq_len']}, micro-batch {settings['micro_batch']}.",
+        f"Model: {payload['parameters'] / 1e6:.1f}M-parameter Llama, seq {settings['seq_len']}, micro-batch "
+        f"{settings['micro_batch']}.",
         "",
         "Ratios of tokens/s, per round against the baseline's block of the same round: median [min–max].",
         "",

@@ -250,6 +250,7 @@ def broadcast_sequence_advantages(advantages: torch.Tensor, mask: torch.Tensor) 
     """
     if advantages.dim() != 1 or mask.dim() != 2 or advantages.shape[0] != mask.shape[0]:
         raise ValueError(
-            f"expected advantages [batch] and mask [batch, response_len], got {tuple(advantages.shape)}, {tuple(mask.shape)}"
+            f"expected advantages [batch] and mask [batch, response_len], got {tuple(advantages.shape)}, "
+            f"{tuple(mask.shape)}"
         )
     return _zero_padding(advantages.unsqueeze(1).expand(mask.shape), mask.bool())

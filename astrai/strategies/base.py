@@ -113,6 +113,7 @@ def strategy_class(train_type: str) -> type[Strategy]:
 
     if train_type not in REGISTRY:
         raise KeyError(
-            f"train.train_type: {train_type!r} is not available in this version (available: {', '.join(sorted(REGISTRY))})"
+            f"train.train_type: {train_type!r} is not available in this version (available: "
+            f"{', '.join(sorted(REGISTRY))})"
         )
     return REGISTRY[train_type]

@@ -55,21 +55,24 @@ def batch_geometry(job, world_size: int) -> BatchGeometry:
     rollout, train = job.rollout, job.train
     if rollout.prompts_per_step % world_size:
         raise ConfigError(
-            f"rollout.prompts_per_step {rollout.prompts_per_step} does not split over {world_size} ranks: use a multiple of {world_size}"
+            f"rollout.prompts_per_step {rollout.prompts_per_step} does not split over {world_size} ranks: use a "
+            f"multiple of {world_size}"
         )
     per_update = train.micro_batch_size * train.grad_accum_steps
     if job.rl.minibatch_size is not None and job.rl.minibatch_size != per_update * world_size:
         raise ConfigError(
-            f"rl.minibatch_size {job.rl.minibatch_size} != train.micro_batch_size {train.micro_batch_size} x train.grad_accum_steps "
-            f"{train.grad_accum_steps} x {world_size} ranks = {per_update * world_size}: DeepSpeed fixes the micro-batches of an "
-            f"optimizer step, so set train.grad_accum_steps to {job.rl.minibatch_size / (train.micro_batch_size * world_size):g} or leave rl.minibatch_size null"
+            f"rl.minibatch_size {job.rl.minibatch_size} != train.micro_batch_size {train.micro_batch_size} x "
+            f"train.grad_accum_steps {train.grad_accum_steps} x {world_size} ranks = {per_update * world_size}: "
+            "DeepSpeed fixes the micro-batches of an optimizer step, so set train.grad_accum_steps to "
+            f"{job.rl.minibatch_size / (train.micro_batch_size * world_size):g} or leave rl.minibatch_size null"
         )
     prompts_per_rank = rollout.prompts_per_step // world_size
     sequences = prompts_per_rank * rollout.group_size
     if sequences % per_update:
         raise ConfigError(
-            f"each rank samples {prompts_per_rank} prompts x rollout.group_size {rollout.group_size} = {sequences} responses, "
-            f"not a multiple of one minibatch's {per_update} per rank (train.micro_batch_size x train.grad_accum_steps)"
+            f"each rank samples {prompts_per_rank} prompts x rollout.group_size {rollout.group_size} = {sequences} "
+            f"responses, not a multiple of one minibatch's {per_update} per rank (train.micro_batch_size x "
+            "train.grad_accum_steps)"
         )
     return BatchGeometry(
         prompts_per_rank, sequences, train.micro_batch_size, train.grad_accum_steps, sequences // per_update
