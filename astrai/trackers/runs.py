@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 from types import SimpleNamespace
 
+from astrai.safe_write import write_file_atomic
 from astrai.trackers import TRACKERS, installed, selected_trackers
 from astrai.trackers.base import Tracker, numeric_metrics
 
@@ -69,7 +70,7 @@ class Trackers:
                 held = int(saved.get("last_step", 0)) if same_run else 0
                 self._held_through[name] = held
                 self._state[name] = {**record, "last_step": held}
-        self._save()
+        self._save(durable=True)
 
     @property
     def names(self) -> list[str]:
@@ -94,13 +95,16 @@ class Trackers:
             self._save()
 
     def flush(self) -> None:
+        """Before each checkpoint publish: the trackers' own flush, and trackers.json made durable."""
         for tracker in list(self._active):
             self._call(tracker, "flush")
+        self._save(durable=True)
 
     def finish(self, failed: bool = False) -> None:
         for tracker in list(self._active):
             self._call(tracker, "finish", failed)
         self._active = []
+        self._save(durable=True)
 
     def _call(self, tracker: Tracker, method: str, *arguments) -> bool:
         try:
@@ -113,12 +117,18 @@ class Trackers:
             self._active.remove(tracker)
             return False
 
-    def _save(self) -> None:
-        """Rewrite trackers.json (temp + rename; no fsync: it is a hint, and the page cache outlives a crash)."""
+    def _save(self, durable: bool = False) -> None:
+        """Rewrite trackers.json whole. After each logged step: temp + rename without fsync, the durability
+        metrics.jsonl's lines have between publishes (a killed process loses neither; an fsync a step would
+        cost ms on network filesystems). At start, each publish and the end: the safe-write helper (fsync)."""
         if not self._state:
             return
-        temporary = self.path.with_name(self.path.name + ".tmp")
-        temporary.write_text(json.dumps(self._state, indent=1, sort_keys=True) + "\n")
+        content = json.dumps(self._state, indent=1, sort_keys=True) + "\n"
+        if durable:
+            write_file_atomic(self.path, content)
+            return
+        temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+        temporary.write_text(content)
         os.replace(temporary, self.path)
 
 

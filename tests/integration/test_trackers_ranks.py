@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import REPO, launch_ranks, user_env
 from tests.integration.plan import metrics, write_job
-from tests.unit.test_trackers import mlflow_history, mlflow_params, wandb_runs
+from tests.unit.trackers.test_trackers import mlflow_history, mlflow_params, wandb_runs
 
 pytestmark = pytest.mark.slow
 
