@@ -228,12 +228,12 @@ class HideModule:
         return None
 
 
-@pytest.mark.parametrize("tracker", ["wandb", "mlflow"])
+@pytest.mark.parametrize("tracker", ["wandb", "mlflow", "tensorboard"])
 def test_a_tracker_not_installed_fails_the_job_check_naming_its_extra(tmp_path, monkeypatch, tracker):
     from astrai.train import check_job_parts
 
     check_job_parts(tiny_job(tmp_path), "job.yaml", 1)  # transformers' lazy imports done while wandb is visible
-    job = tiny_job(tmp_path, f"runtime.trackers=[{tracker}]")
+    job = tiny_job(tmp_path, f"runtime.trackers=[{tracker}]", f"runtime.tensorboard={tracker == 'tensorboard'}")
     for name in [name for name in sys.modules if name == tracker or name.startswith(tracker + ".")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(sys, "meta_path", [HideModule(tracker), *sys.meta_path])
