@@ -80,6 +80,8 @@ class Trackers:
         """Send `record` to every tracker. Several records of one step (training, then eval) all go;
         a step the reopened run already holds (module docstring) goes to no appending tracker."""
         metrics = numeric_metrics(record)
+        if not metrics:
+            return
         advanced = False
         for tracker in list(self._active):
             name = tracker.name
