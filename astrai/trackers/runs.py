@@ -67,9 +67,10 @@ class Trackers:
             self._active.append(tracker)
             if record:
                 same_run = bool(saved) and all(saved.get(key) == value for key, value in record.items())
-                held = int(saved.get("last_step", 0)) if same_run else 0
-                self._held_through[name] = held
-                self._state[name] = {**record, "last_step": held}
+                held = saved.get("last_step") if same_run else None  # None: nothing sent yet (step 0 may come)
+                if isinstance(held, int):
+                    self._held_through[name] = held
+                self._state[name] = {**record, "last_step": held if isinstance(held, int) else None}
         self._save(durable=True)
 
     @property
@@ -85,13 +86,12 @@ class Trackers:
         advanced = False
         for tracker in list(self._active):
             name = tracker.name
-            if not tracker.replaces_steps and step <= self._held_through.get(name, 0):
+            if not tracker.replaces_steps and name in self._held_through and step <= self._held_through[name]:
                 continue
-            if (
-                self._call(tracker, "log", step, metrics)
-                and name in self._state
-                and step > self._state[name]["last_step"]
-            ):
+            if not self._call(tracker, "log", step, metrics) or name not in self._state:
+                continue
+            last = self._state[name]["last_step"]
+            if last is None or step > last:
                 self._state[name]["last_step"], advanced = step, True
         if advanced:
             self._save()

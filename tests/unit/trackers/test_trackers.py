@@ -165,10 +165,12 @@ def test_a_fresh_start_opens_new_runs(tmp_path):
     output_dir = Path(job.output_dir)
     for _ in range(2):
         trackers = Trackers(job, output_dir, start_step=0)
+        trackers.log(0, {"eval/loss": 3.0})  # an eval before the first step (eval.at_start)
         log_steps(trackers, [1, 2])
         trackers.finish()
         run_id, losses = mlflow_history(output_dir, "loss")
         assert sorted(losses) == [1, 2] and all(len(values) == 1 for values in losses.values())
+        assert mlflow_history(output_dir, "eval/loss")[1] == {0: [3.0], 1: [2.0], 2: [1.0]}
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient((output_dir / "mlruns").as_uri())
