@@ -15,6 +15,7 @@ from pathlib import Path
 def load_and_check(config_path: str, overrides: list[str]):
     """Everything that can be wrong with the job file, found before any rank does work."""
     from astrai.config import ConfigError, load_job
+    from astrai.eval.evaluator import check_eval_job
     from astrai.strategies import strategy_class
 
     job = load_job(config_path, overrides)
@@ -35,6 +36,10 @@ def load_and_check(config_path: str, overrides: list[str]):
     except ConfigError as error:
         raise ConfigError(f"{config_path}: {error}") from None
     check_job_parts(job, config_path, world_size)
+    try:
+        check_eval_job(job)  # checkpoint.keep_best names a metric the job's eval reports
+    except ConfigError as error:
+        raise ConfigError(f"{config_path}: {error}") from None
     return job
 
 

@@ -62,6 +62,7 @@ class MetricsLog:
         self._file = None
         self._trackers = None
         self._bar = None
+        self._last_eval: dict[str, float] = {}
         if not is_main:
             return
         self._file = open(self.path, "a")
@@ -81,9 +82,10 @@ class MetricsLog:
         if self._trackers is not None:
             self._trackers.log(step, record)
         if self._bar is not None:
-            self._bar.set_postfix(
-                {k: f"{record[k]:.4g}" for k in ("loss", "lr") if isinstance(record.get(k), float)}, refresh=False
-            )
+            self._last_eval.update({k: v for k, v in record.items() if k.startswith("eval/") and isinstance(v, float)})
+            shown = {k: f"{record[k]:.4g}" for k in ("loss", "lr") if isinstance(record.get(k), float)}
+            shown.update({k: f"{v:.4g}" for k, v in list(self._last_eval.items())[:1]})  # the last eval's first figure
+            self._bar.set_postfix(shown, refresh=False)
 
     def advance(self) -> None:
         if self._bar is not None:

@@ -20,6 +20,7 @@ import torch
 
 from astrai.engine import Engine, all_reduce_sum, all_reduce_sums
 from astrai.errors import AstraiError
+from astrai.eval.evaluator import Evaluator
 from astrai.metrics import MetricsLog
 from astrai.resume.checkpointing import TrainerState, TrainingCheckpoints
 from astrai.run import Run
@@ -104,7 +105,7 @@ def _close_step(
     run: Run, state: TrainerState, record: dict, metrics: MetricsLog, checkpoints: TrainingCheckpoints
 ) -> None:
     """End of every step of either loop: log (every log_every_steps and the last), then publish when due."""
-    if state.step % run.job.train.log_every_steps == 0 or state.step == run.total_steps:
+    if state.step % run.job.train.log_every_steps == 0 or state.step == run.total_steps or "eval_s" in record:
         metrics.log(state.step, record)
     metrics.advance()
     if checkpoints.due(state.step, run.total_steps):
@@ -148,13 +149,15 @@ def train_offline(run: Run) -> TrainerState:
         job=job,
         progress_bar=job.runtime.progress_bar,
     )
-    batches = run.data.batches()  # from the resumed position; each draw advances it
+    steps = run.data.steps(accumulation)  # from the resumed position; token-balanced with data.packing
     run_started = time.perf_counter() - state.elapsed_s
     policy.train()
+    evaluator = Evaluator(run, state.step)  # eval.every_steps, the last step, eval.at_start (astrai/eval/)
+    evaluator.at_start(state.step, metrics)
     try:
         for step in range(state.step + 1, run.total_steps + 1):
             step_started = time.perf_counter()
-            micro_batches = [strategy.collate(next(batches)) for _ in range(accumulation)]
+            micro_batches = [strategy.collate(rows) for rows in next(steps)]
             lr = policy.lr
             sums = offline_update(run, micro_batches)
             state.step, state.policy_version = step, step
@@ -172,6 +175,7 @@ def train_offline(run: Run) -> TrainerState:
                 samples=run.data.consumed_samples,
             )
             _add_skipped(record, run, policy)
+            evaluator.after_step(step, record, checkpoints)  # timed apart: not in tokens_per_s
             _close_step(run, state, record, metrics, checkpoints)
     finally:
         checkpoints.close()  # a background save in flight finishes (or says why not)
@@ -205,6 +209,8 @@ def train_online(run: Run) -> TrainerState:
     run_started = time.perf_counter() - state.elapsed_s
     for engine in run.engines.values():
         engine.train()
+    evaluator = Evaluator(run, state.step)  # eval.every_steps, the last step, eval.at_start (astrai/eval/)
+    evaluator.at_start(state.step, metrics)
     try:
         for step in range(state.step + 1, run.total_steps + 1):
             # 1. Rollout: group_size scored responses to each of this rank's prompts, from the current weights
@@ -266,6 +272,7 @@ def train_online(run: Run) -> TrainerState:
                     if part != "policy":
                         record[f"{part}_lr"] = lrs[part]
             _add_skipped(record, run, policy)
+            evaluator.after_step(step, record, checkpoints)  # timed apart: not in rollout_s or train_s
             _close_step(run, state, record, metrics, checkpoints)
     finally:
         checkpoints.close()  # a background save in flight finishes (or says why not)

@@ -123,6 +123,17 @@ class DataConfig(Section):
     )
     num_proc: int = Field(1, ge=1, description="Processes for tokenisation (`datasets.map`).")
     shuffle: bool = Field(True, description="Shuffle each epoch (deterministic for `train.seed` and the epoch).")
+    packing: bool = Field(
+        False,
+        description="`sft`, `dpo`: padding-free micro-batches. Rows (a dpo pair as one) are concatenated into one row "
+        "of up to `train.micro_batch_tokens` tokens, positions restart at every row and attention never crosses "
+        "one; the sampler balances tokens across ranks (docs/guides/training.md, Packing).",
+    )
+    document_mask: bool = Field(
+        False,
+        description="`seq`: documents inside a packed block stop attending to each other (positions restart after "
+        "every EOS; a document's first token is not predicted from the one before). false: they attend across.",
+    )
 
 
 class TrainConfig(Section):
@@ -133,6 +144,12 @@ class TrainConfig(Section):
     epochs: float | None = Field(None, gt=0, description="Passes over the data; converted to steps from the data size.")
     micro_batch_size: int = Field(1, ge=1, description="Samples per rank per forward/backward.")
     grad_accum_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    micro_batch_tokens: int = Field(
+        4096,
+        ge=8,
+        description="With `data.packing`: the token budget of one packed micro-batch (replaces micro_batch_size); "
+        "every row must fit in it (a dpo pair: chosen + rejected).",
+    )
     lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate as a fraction of `lr`.")
     lr_schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
@@ -198,6 +215,22 @@ class DeepSpeedSection(Section):
     )
 
 
+class KeepBest(Section):
+    """The checkpoint to keep beside the newest `keep_last`: the best one by an eval metric."""
+
+    metric: str = Field(
+        ...,
+        description="An eval metric the job's eval produces, e.g. `eval/loss` (the `eval/` prefix may be left out); "
+        "checked before training.",
+    )
+    mode: Literal["min", "max"] = Field(..., description="`min`: lower is better (a loss); `max`: higher (accuracy).")
+
+    @field_validator("metric")
+    @classmethod
+    def _prefixed(cls, value: str) -> str:
+        return value if value.startswith("eval/") else f"eval/{value}"
+
+
 class CheckpointConfig(Section):
     every_steps: int | None = Field(
         None, ge=1, description="Publish a checkpoint every N optimizer steps (always at the end of a run)."
@@ -211,6 +244,11 @@ class CheckpointConfig(Section):
         "auto", description="`auto`: newest valid checkpoint in output_dir; `never`: start fresh; or a checkpoint path."
     )
     verify_on_load: bool = Field(False, description="Re-hash every file against the manifest before resuming.")
+    keep_best: KeepBest | None = Field(
+        None,
+        description="Keep the best checkpoint by an eval metric beside the newest `keep_last` (retention never deletes "
+        "it); each checkpoint's manifest records the eval figures of its step; `export-hf --best` exports it.",
+    )
     hash: Literal["sha256", "blake2b", "xxh3_128"] = Field(
         "sha256",
         description="File digest recorded in the manifest: sha256 (~1.1 GB/s a core, cryptographic; files hash in "
@@ -227,6 +265,61 @@ class CheckpointConfig(Section):
         "only while the shards are written); the next save, and the run's end, wait for it and fail on its error. The "
         "final save is always synchronous.",
     )
+
+
+class EvalConfig(Section):
+    """Held-out evaluation during training (docs/guides/training.md, "Evaluation")."""
+
+    data_path: str | None = Field(
+        None, description="Eval data, in the formats of `data.path` (exclusive with `holdout`)."
+    )
+    format: Literal["auto", "json", "parquet", "arrow"] = Field(
+        "auto", description="File format of `data_path`; `auto` reads it from the extension."
+    )
+    holdout: float | int | None = Field(
+        None,
+        gt=0,
+        description="Hold out of `data.path` a fraction (0 < x < 1) or a count (an integer >= 1) of the prepared "
+        "examples, chosen by `train.seed`, the same on every rank and on resume; never trained on.",
+    )
+    every_steps: int | None = Field(
+        None, ge=1, description="Evaluate every N steps (null: only at the end; there is always one at the end)."
+    )
+    max_samples: int | None = Field(
+        None, ge=1, description="Evaluate at most this many examples (prompts for the online types): the first ones."
+    )
+    at_start: bool = Field(False, description="Also evaluate before the first step of a fresh run (logged as step 0).")
+    pass_k: int = Field(
+        1,
+        ge=1,
+        description="Online types: k of `eval/pass@k`, the unbiased estimate from `samples_per_prompt` answers.",
+    )
+    samples_per_prompt: int | None = Field(
+        None,
+        ge=1,
+        description="Online types: answers sampled per eval prompt with the training sampler (null: "
+        "`rollout.group_size`); at least `pass_k`.",
+    )
+    pass_threshold: float = Field(
+        1.0,
+        description="Online types: an answer passes (pass@k, `greedy_pass`) when its total reward is at least this.",
+    )
+    log_samples: int = Field(
+        4, ge=0, description="Online types: prompts (with their answers) appended to `eval_samples.jsonl` per eval."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EvalConfig:
+        if (self.data_path is None) == (self.holdout is None):
+            raise ValueError("an eval section needs data: give exactly one of `eval.data_path` or `eval.holdout`")
+        if isinstance(self.holdout, float) and not self.holdout < 1:
+            raise ValueError(f"`eval.holdout` {self.holdout} is neither a fraction (< 1) nor a count (an integer)")
+        if self.samples_per_prompt is not None and self.samples_per_prompt < self.pass_k:
+            raise ValueError(
+                f"`eval.pass_k` {self.pass_k} > `eval.samples_per_prompt` {self.samples_per_prompt}: pass@k needs "
+                "at least k answers per prompt"
+            )
+        return self
 
 
 class RuntimeConfig(Section):
@@ -453,6 +546,12 @@ class RolloutConfig(Section):
         "KV-cached kernels differ from the full forward by ~1e-6 in fp32, ~1e-2 in bf16); `auto`: `sampler` when the "
         "policy trains in fp32, `recompute` in bf16/fp16.",
     )
+    share_prefill: bool = Field(
+        True,
+        description="Prefill each prompt once and repeat its KV cache to the group before decoding, instead of "
+        "prefilling all group_size copies (TRL's way); same tokens and log-probs for the same seed. false: every "
+        "copy prefilled.",
+    )
 
 
 class OverlongPenalty(Section):
@@ -485,6 +584,11 @@ class OverlongPenalty(Section):
 
 
 class RlConfig(Section):
+    packing: bool = Field(
+        False,
+        description="Padding-free forwards of the policy, reference and critic (grpo, online_ppo): each "
+        "micro-batch's sequences run as one packed row without their padding; the losses are unchanged.",
+    )
     epochs_per_rollout: int = Field(
         1,
         ge=1,
@@ -776,6 +880,9 @@ class JobConfig(Section):
     deepspeed: DeepSpeedSection = Field(
         default_factory=DeepSpeedSection, description="DeepSpeed: a template from `ds_configs/` plus job overrides."
     )
+    eval: EvalConfig | None = Field(
+        None, description="Held-out evaluation during training: data, cadence, online pass@k (null: none)."
+    )
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig,
         description="Crash-safe checkpoints: cadence, retention, resume, verification.",
@@ -812,6 +919,24 @@ class JobConfig(Section):
         default_factory=CriticConfig,
         description="The value model of `online_ppo`: starting weights, optimizer, clipping, ZeRO stage, warmup.",
     )
+
+    @model_validator(mode="after")
+    def _packing_train_types(self) -> JobConfig:
+        train_type = self.train.train_type
+        if self.data.packing and train_type not in ("sft", "dpo"):
+            raise ValueError(
+                f"`data.packing` is for sft and dpo, not {train_type}"
+                + (
+                    " (seq blocks have no padding; `data.document_mask` isolates their documents)"
+                    if train_type == "seq"
+                    else " (use `rl.packing`)"
+                )
+            )
+        if self.data.document_mask and train_type != "seq":
+            raise ValueError(f"`data.document_mask` is for seq, not {train_type}")
+        if self.rl.packing and train_type not in ("grpo", "online_ppo"):
+            raise ValueError(f"`rl.packing` is for grpo and online_ppo, not {train_type} (use `data.packing`)")
+        return self
 
     @model_validator(mode="after")
     def _online_sections(self) -> JobConfig:

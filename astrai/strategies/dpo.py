@@ -25,6 +25,7 @@ from astrai.algos.preference import REFERENCE_FREE_LOSSES, orpo_loss, simpo_loss
 from astrai.config import ConfigError
 from astrai.data import render_rows
 from astrai.data.collate import pad_right
+from astrai.data.packing import is_packed, model_inputs, pack_sequences, segment_sums
 from astrai.data.render import preference_batch
 from astrai.engine import all_gather_objects
 from astrai.run import Run
@@ -46,17 +47,30 @@ def completion_logprobs(model, batch: dict, average: bool = False, vocab_size: i
 def completion_forward(model, batch: dict, average: bool = False, vocab_size: int | None = None, **options):
     """`completion_logprobs` [2B] and the model's whole output (e.g. a router's `aux_loss`); `options` go to
     the forward."""
-    output = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **options)
+    output = model(**model_inputs(batch, model), **options)
     logits = real_vocabulary(output.logits, vocab_size)
     shifted_logits, labels, mask = shift_for_next_token(logits, batch["input_ids"], batch["loss_mask"])
-    logps = sequence_logprobs(token_logprobs(shifted_logits, labels), mask)
-    return (logps / mask.sum(dim=-1).clamp(min=1) if average else logps), output
+    token_logps = token_logprobs(shifted_logits, labels)
+    if is_packed(batch):  # one row [1, T]: each sequence's sum over its own tokens (data/packing.py)
+        lengths = batch["sequence_lengths"].clone()
+        lengths[0] -= 1  # the shift drops the packed row's first token, which is the first sequence's
+        logps = segment_sums((token_logps * mask)[0], lengths)
+        counts = segment_sums(mask[0].to(logps.dtype), lengths)
+    else:
+        logps, counts = sequence_logprobs(token_logps, mask), mask.sum(dim=-1)
+    return (logps / counts.clamp(min=1) if average else logps), output
+
+
+def _sequences(batch: dict) -> int:
+    """Sequences of a micro-batch (2 per pair), padded [2B, T] or packed [1, T]."""
+    return len(batch["sequence_lengths"]) if is_packed(batch) else batch["input_ids"].shape[0]
 
 
 @register
 class DpoStrategy(Strategy):
     name = "dpo"
     loop = "offline"
+    eval_metric_names = ("loss", "accuracy", "margin")
 
     def prepare_data(self, rows) -> tuple[datasets.Dataset, int]:
         return render_rows(
@@ -91,21 +105,25 @@ class DpoStrategy(Strategy):
         policy_config = run.engines["policy"].ds_config
         self.reference, self.reference_source = build_reference(self.job, self.tokenizer, policy_config)
         if self.job.dpo.precompute_reference:
-            run.dataset = self._precompute(run)
+            run.dataset = self._precompute(run, run.dataset)
+            if run.eval_dataset is not None:  # the eval pairs need theirs too
+                run.eval_dataset = self._precompute(run, run.eval_dataset)
             self.reference = None  # freed: the log-probs now travel with the data
 
-    def _precompute(self, run: Run) -> datasets.Dataset:
+    def _precompute(self, run: Run, dataset: datasets.Dataset) -> datasets.Dataset:
         """Reference log-probs of every pair, computed once, rank r taking pairs r, r+W, ...
 
         Every rank runs the same number of forwards (the last batch is padded with repeats) because
         a ZeRO-3 forward is a collective."""
-        size, world, micro = len(run.dataset), run.dist.world_size, self.job.train.micro_batch_size
+        size, world, micro = len(dataset), run.dist.world_size, self.job.train.micro_batch_size
         own = list(range(run.dist.rank, size, world))
         rounds = math.ceil(math.ceil(size / world) / micro)
         results: dict[int, tuple[float, float]] = {}
         for round_index in range(rounds):
-            indices = own[round_index * micro : (round_index + 1) * micro] or own[:1]
-            batch = self._to_device(self.collate([run.dataset[i] for i in indices]))
+            indices = (
+                own[round_index * micro : (round_index + 1) * micro] or own[:1] or [0]
+            )  # a rank without pairs pads
+            batch = self._to_device(self.collate([dataset[i] for i in indices]))
             average = self.job.dpo.loss in AVERAGED_LOSSES
             logps = completion_logprobs(self.reference, batch, average=average, vocab_size=len(self.tokenizer))
             pairs = len(indices)
@@ -115,7 +133,6 @@ class DpoStrategy(Strategy):
         for part in all_gather_objects(results):
             merged.update(part)
         logger.info("precomputed reference log-probs of %d pairs; the reference model is freed", len(merged))
-        dataset = run.dataset
         for column, position in zip(REFERENCE_COLUMNS, (0, 1)):
             dataset = dataset.add_column(column, [merged[i][position] for i in range(size)])
         return dataset
@@ -127,14 +144,18 @@ class DpoStrategy(Strategy):
         return {"reference": self.reference_source}
 
     def collate(self, rows: list[dict]) -> dict:
-        """[2B, T]: the B chosen sequences, then the B rejected ones."""
+        """[2B, T]: the B chosen sequences, then the B rejected ones; with `data.packing` the same 2B sequences
+        as one packed row [1, tokens] (a pair always stays in one micro-batch)."""
         sequences = [row["chosen_ids"] for row in rows] + [row["rejected_ids"] for row in rows]
         masks = [row["chosen_mask"] for row in rows] + [row["rejected_mask"] for row in rows]
-        batch = {
-            "input_ids": pad_right(sequences, self.tokenizer.pad_token_id),
-            "attention_mask": pad_right([[1] * len(sequence) for sequence in sequences], 0),
-            "loss_mask": pad_right(masks, 0),
-        }
+        if self.job.data.packing:
+            batch = pack_sequences(sequences, masks)
+        else:
+            batch = {
+                "input_ids": pad_right(sequences, self.tokenizer.pad_token_id),
+                "attention_mask": pad_right([[1] * len(sequence) for sequence in sequences], 0),
+                "loss_mask": pad_right(masks, 0),
+            }
         if REFERENCE_COLUMNS[0] in rows[0]:
             batch["reference_logps"] = torch.tensor(
                 [row[REFERENCE_COLUMNS[0]] for row in rows] + [row[REFERENCE_COLUMNS[1]] for row in rows]
@@ -142,10 +163,10 @@ class DpoStrategy(Strategy):
         return batch
 
     def loss_weight(self, batch: dict) -> int:
-        return batch["input_ids"].shape[0] // 2
+        return _sequences(batch) // 2
 
     def compute_loss(self, policy, batch: dict, normalizer: float) -> StepOutput:
-        pairs = batch["input_ids"].shape[0] // 2
+        pairs = _sequences(batch) // 2
         settings = self.job.dpo
         average = settings.loss in AVERAGED_LOSSES
         logps, output = completion_forward(policy, batch, average, len(self.tokenizer), **self.router_options(policy))
@@ -168,6 +189,16 @@ class DpoStrategy(Strategy):
         router = self.router_aux_loss(policy, output, float(pairs), normalizer, sums, float(pairs))
         loss = objective.losses.sum() / normalizer + router
         return StepOutput(loss, sums)
+
+    def eval_metrics(self, totals: dict[str, float]) -> dict[str, float]:
+        """Means over every held-out pair: the loss, the reward accuracy (chosen's implicit reward above the
+        rejected's) and the reward margin (chosen minus rejected)."""
+        pairs = max(totals["weight"], 1.0)
+        return {
+            "loss": totals["loss"] / pairs,
+            "accuracy": totals["reward_accuracy"] / pairs,
+            "margin": totals["reward_margin"] / pairs,
+        }
 
     def _objective(self, chosen: torch.Tensor, rejected: torch.Tensor, batch: dict, average: bool):
         """The configured loss of B pairs from the policy's log-probs [B] each (averaged for ipo/simpo/orpo)."""
