@@ -334,7 +334,27 @@ class RuntimeConfig(Section):
         "INFO", description="Trainer log level (env ASTR_LOG_LEVEL overrides): DEBUG, INFO, WARNING, ERROR or CRITICAL."
     )
     progress_bar: bool = Field(True, description="tqdm bar on rank 0.")
-    tensorboard: bool = Field(True, description="Write TensorBoard events when `tensorboard` is installed.")
+    tensorboard: bool = Field(
+        True,
+        description="Older key, kept: with `runtime.trackers` unset, true writes TensorBoard events when `tensorboard` "
+        "is installed (as before), false writes none. Prefer `runtime.trackers`.",
+    )
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] | None = Field(
+        None,
+        description="Experiment trackers fed every metrics record beside metrics.jsonl (always written), on rank 0: "
+        "`tensorboard` (<output_dir>/tensorboard), `wandb` (offline under <output_dir>/wandb unless WANDB_MODE or "
+        "WANDB_API_KEY says otherwise), `mlflow` (a file store <output_dir>/mlruns by default). Each is an extra "
+        "(`pip install 'astrai[wandb]'`); one not installed fails before any rank starts. A resume continues the "
+        "same tracker runs (<output_dir>/trackers.json). null: `runtime.tensorboard` decides "
+        "(docs/guides/training.md).",
+    )
+    wandb_project: str = Field("astrai", description="W&B project of the run (entity: WANDB_ENTITY or your default).")
+    mlflow_tracking_uri: str | None = Field(
+        None,
+        description="MLflow tracking URI (a server `http://...`, `sqlite:///...`, `file:...`); null: a file store at "
+        "<output_dir>/mlruns.",
+    )
+    mlflow_experiment: str = Field("astrai", description="MLflow experiment the run is created in (created if new).")
     tune_malloc: bool = Field(
         True,
         description="Set glibc malloc's mmap/trim thresholds on every rank so each step's buffers are kept rather "
@@ -346,6 +366,32 @@ class RuntimeConfig(Section):
     @classmethod
     def _known_level(cls, value: str) -> str:
         return known_log_level(value)
+
+    @field_validator("trackers")
+    @classmethod
+    def _distinct_trackers(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and len(set(value)) != len(value):
+            raise ValueError(f"names a tracker twice: {value}")
+        return value
+
+    @field_validator("wandb_project")
+    @classmethod
+    def _wandb_project_name(cls, value: str) -> str:
+        refused = [character for character in "/\\#?%:" if character in value]
+        if refused or not value or len(value) > 128:
+            raise ValueError(f"{value!r} is not a W&B project name (1-128 characters, none of / \\ # ? % :)")
+        return value
+
+    @model_validator(mode="after")
+    def _one_tensorboard_answer(self) -> RuntimeConfig:
+        """`runtime.tensorboard` given beside `runtime.trackers` must agree with it (else which one wins?)."""
+        if self.trackers is not None and "tensorboard" in self.model_fields_set:
+            if self.tensorboard != ("tensorboard" in self.trackers):
+                raise ValueError(
+                    f"`runtime.tensorboard: {str(self.tensorboard).lower()}` contradicts `runtime.trackers: "
+                    f"{self.trackers}`; keep `runtime.trackers` alone"
+                )
+        return self
 
     @field_validator("environment")
     @classmethod
