@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -120,18 +119,13 @@ class Trackers:
             return False
 
     def _save(self, durable: bool = False) -> None:
-        """Rewrite trackers.json whole. After each logged step: temp + rename without fsync, the durability
+        """Rewrite trackers.json whole. After each logged step: the safe-write helper without fsync, the durability
         metrics.jsonl's lines have between publishes (a killed process loses neither; an fsync a step would
         cost ms on network filesystems). At start, each publish and the end: the safe-write helper (fsync)."""
         if not self._state:
             return
         content = json.dumps(self._state, indent=1, sort_keys=True) + "\n"
-        if durable:
-            write_file_atomic(self.path, content)
-            return
-        temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        temporary.write_text(content)
-        os.replace(temporary, self.path)
+        write_file_atomic(self.path, content, durable=durable)
 
 
 def tensorboard_job(enabled: bool) -> SimpleNamespace:
