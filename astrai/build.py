@@ -27,6 +27,7 @@ from astrai.engine import (
 )
 from astrai.init_from_checkpoint import load_checkpoint_weights
 from astrai.models.policy import build_policy
+from astrai.models.shape import model_hidden_size
 from astrai.models.tokenizer import (
     TOKENIZER_DIR,
     TokenizerError,
@@ -145,6 +146,7 @@ def engine_config(
         eps=job.train.adam_eps,
         zero_stage=zero_stage,
         world_size=world_size,
+        hidden_size=model_hidden_size(job.model),  # ZeRO buckets sized to the model (engine/buckets.py)
     )
 
 
