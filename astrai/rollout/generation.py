@@ -284,6 +284,7 @@ def generate_rollout(
     policy_version: int,
     logprob_batch_size: int,
     behaviour_logprobs: bool = True,
+    logits_chunk_size: int = 0,
 ) -> RolloutResult:
     """Sample `settings.group_size` responses to each prompt and take their behaviour log-probs (recomputed
     by the engine's forward, or kept from the sampler: `settings.behaviour_logprobs`, see
@@ -293,7 +294,7 @@ def generate_rollout(
     and a forward); prompt_ids: this rank's prompts as token lists (chat template applied);
     messages, rows: per prompt, handed on to the rewards. settings: the `rollout:` config section.
     Every rank must call this with the same number of prompts under ZeRO-3. behaviour_logprobs=False
-    takes none (the result's behaviour_logprobs is None).
+    takes none (the result's behaviour_logprobs is None). logits_chunk_size: `train.logits_chunk_size`.
     """
     group = settings.group_size
     device = engine.device
@@ -322,6 +323,7 @@ def generate_rollout(
             temperature=settings.temperature,
             batch_size=logprob_batch_size,
             vocab_size=len(tokenizer),
+            chunk_size=logits_chunk_size,
         )
     prompt_texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
     response_texts = [
