@@ -271,7 +271,9 @@ def make_plan(job, source: str, world_size: int, gpu_memory_gib: float | None, h
     sequences, seq_len = sequence_geometry(job)
     activations = activation_bytes(shape, sequences, seq_len, precision, job.model.gradient_checkpointing)
     plan.rows.append(Row("activations", gpu=activations))
-    plan.rows.append(Row("logits + log-softmax", gpu=sequences * seq_len * shape.vocab * 4 * 2))
+    positions = sequences * seq_len  # train.logits_chunk_size: only one chunk of positions has logits at a time
+    chunk = job.train.logits_chunk_size
+    plan.rows.append(Row("logits + log-softmax", gpu=min(positions, chunk or positions) * shape.vocab * 4 * 2))
     if not on_gpu:  # a CPU-only run holds everything in host memory
         plan.rows = [Row(row.component, 0, row.gpu + row.host) for row in plan.rows]
     plan.rows.append(Row("runtime baseline", host=RUNTIME_BASELINE_BYTES))

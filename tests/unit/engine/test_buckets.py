@@ -109,3 +109,13 @@ def test_the_plan_counts_the_derived_buckets(tmp_path):
     # two reduce buckets (the bucket and DeepSpeed's flat copy of it) + the prefetch bucket, fp32
     expected = 2 * min(parameters, HIDDEN**2) + min(parameters, int(0.9 * HIDDEN**2))
     assert buckets == expected * 4
+
+
+def test_the_plan_counts_one_chunk_of_logits(tmp_path):
+    path = job_file(tmp_path, {"zero_stage": 0})  # 2 sequences x 16 positions, vocab of the char tokenizer
+    rows = {}
+    for chunk in (0, 8):
+        job = load_job(path, [f"train.logits_chunk_size={chunk}"])
+        plan = make_plan(job, str(path), 1, None, host_memory=10**12)
+        rows[chunk] = {row.component: row.host for row in plan.rows}["logits + log-softmax"]
+    assert rows[8] * 32 == rows[0] * 8  # 8 of the 32 positions at a time
