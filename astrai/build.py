@@ -71,7 +71,12 @@ def make_tokenizer(job: JobConfig, rows, output_dir: Path, is_main: bool):
             job.data.chosen_field,
             job.data.rejected_field,
         )
-        tokenizer = build_tokenizer(job.tokenizer.build.kind, iter_texts(rows, fields), job.tokenizer.build.vocab_size)
+        tokenizer = build_tokenizer(
+            job.tokenizer.build.kind,
+            iter_texts(rows, fields),
+            job.tokenizer.build.vocab_size,
+            job.tokenizer.build.fill_vocab,
+        )
         if job.tokenizer.chat_template:
             tokenizer.chat_template = job.tokenizer.chat_template
         keep_run_tokenizer(tokenizer, output_dir / TOKENIZER_DIR, is_main)

@@ -121,7 +121,14 @@ def tokenizer_size(job) -> int:
     datasets.disable_progress_bars()  # the table is the output
     with tempfile.TemporaryDirectory() as cache:  # the plan writes nothing into output_dir
         rows = load_rows(data.path, data.format, Path(cache))
-        return len(build_tokenizer(job.tokenizer.build.kind, iter_texts(rows, fields), job.tokenizer.build.vocab_size))
+        return len(
+            build_tokenizer(
+                job.tokenizer.build.kind,
+                iter_texts(rows, fields),
+                job.tokenizer.build.vocab_size,
+                job.tokenizer.build.fill_vocab,
+            )
+        )
 
 
 def count_shapes(config, critic: bool = False) -> ModelShape:

@@ -85,6 +85,12 @@ class TokenizerBuild(Section):
         description="`char`: one token per character seen in the data; `bpe`: byte-level BPE trained on the data.",
     )
     vocab_size: int = Field(512, ge=16, description="Target vocabulary size for `bpe` (ignored by `char`).")
+    fill_vocab: bool = Field(
+        False,
+        description="`bpe` only: when the data trains fewer than `vocab_size` tokens, fill the rest with tokens no "
+        "text encodes to, so the tokenizer (and the model's embedding and output layer) has exactly `vocab_size` ids: "
+        "a large-vocabulary shape on a small corpus (configs/scale_0p5b.yaml).",
+    )
 
 
 class TokenizerConfig(Section):
