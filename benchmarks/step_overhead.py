@@ -96,12 +96,12 @@ def worker(plan: dict) -> int:
         tensorboard=job.runtime.tensorboard,
         progress_bar=False,
     )
-    batches = run.order.micro_batches(0)
+    batches = run.data.batches()
     astrai_step = {"n": 0}
 
     def astrai(log: bool) -> float:
         started = time.perf_counter()
-        micro_batches = [run.strategy.collate([run.dataset[i] for i in next(batches)])]
+        micro_batches = [run.strategy.collate(next(batches))]
         sums = offline_update(run, micro_batches)
         totals = _global_sums(sums, info.device)
         seconds = time.perf_counter() - started

@@ -282,6 +282,7 @@ class TrainingCheckpoints:
         run = self.run
         state.world_size = run.dist.world_size
         state.rng = all_gather_objects(capture_rng())
+        vars(state).update(run.data.state_dict())  # the data position: its one owner is run.data
 
         background = run.job.checkpoint.async_save and not final
         # DeepSpeed's shards go out in one pass: sent to the disk while serialised and, unless the hashing
@@ -463,17 +464,17 @@ class TrainingCheckpoints:
             logger.warning(
                 "no %s in %s: continuing from step %d, data position derived from it", STATE_FILE, path, step
             )
-        order = getattr(run.strategy, "order", run.order)
         carry_over(
             state,
             rank=run.dist.rank,
             world_size=run.dist.world_size,
             seed=run.job.train.seed,
-            samples_per_micro_step=order.samples_per_micro_step,
+            samples_per_micro_step=run.data.samples_per_draw,
             micro_batch_size=run.job.train.micro_batch_size,
             saved_micro_batch=saved_micro_batch_size(path),
         )
-        state.epoch = run.order.epoch_of(state.consumed_samples)
+        run.data.load_state_dict({"consumed_samples": state.consumed_samples})
+        state.epoch = run.data.epoch
         continue_schedule(run, path, state.step)  # the path actually loaded (a fallback may have chosen an older one)
         logger.info("resumed from %s at step %d (%d samples consumed)", path, state.step, state.consumed_samples)
         return state

@@ -3,7 +3,8 @@
 Rules (docs/developer/architecture.md): DeepSpeed only under astrai/engine/; astrai/algos pure torch;
 astrai/checkpoint knows nothing of training; no import circle among astrai's subpackages and
 top-level modules. Function-level (lazy) imports count too: a lazy import still ties the two
-modules together, it only hides the circle until run time.
+modules together, it only hides the circle until run time. Imports under `if TYPE_CHECKING:` do not:
+they never run, they only name a type for annotations (run.py names the Strategy it holds that way).
 """
 
 from __future__ import annotations
@@ -27,11 +28,25 @@ def _modules() -> dict[str, Path]:
     return found
 
 
+def _is_type_checking_block(node: ast.AST) -> bool:
+    """`if TYPE_CHECKING:` (or `typing.TYPE_CHECKING`): imports for annotations only, never run."""
+    if not isinstance(node, ast.If):
+        return False
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
 def _imports(name: str, path: Path) -> list[tuple[str, int]]:
     """(imported module, line) for every import statement in the file, lazy ones included; relative imports resolved."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = []
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    type_only = {id(inner) for block in ast.walk(tree) if _is_type_checking_block(block) for inner in ast.walk(block)}
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
         if isinstance(node, ast.Import):
             found += [(alias.name, node.lineno) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from astrai.rollout.generation import behaviour_logprobs_source, generate_rollout, rollout_metrics, sampling_seed
+from astrai.rollout.generation import behaviour_logprobs_source, generate_rollout, sampling_seed
 from astrai.rollout.prompts import render_prompt
 from astrai.rollout.sequences import (
     join_sequences,
@@ -23,6 +23,7 @@ from astrai.rollout.sequences import (
     response_mask,
     truncated_rows,
 )
+from astrai.step_metrics import rollout_metrics
 from tests.unit.rollout_fixtures import PlainEngine, tiny_model, tiny_tokenizer
 
 EOS, PAD = 3, 0

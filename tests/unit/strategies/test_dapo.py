@@ -159,7 +159,7 @@ def one_rank_strategy(config: JobConfig, tokenizer):
 
 
 def prompt_rounds(tokenizer, modes: list[list[str]]):
-    """One list of prepared examples per round, as `OnlineStrategy.prompt_batches` yields them."""
+    """One list of prepared examples per round, as `run.data.batches()` yields them."""
     import json
 
     for round_index, round_modes in enumerate(modes):

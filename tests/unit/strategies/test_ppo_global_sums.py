@@ -7,9 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from astrai.algos import explained_variance, masked_whiten
-from astrai.rollout.generation import target_metrics
-from astrai.strategies.ppo import global_standardize
+from astrai.algos import explained_variance, global_standardize, masked_whiten
+from astrai.step_metrics import target_metrics
 
 
 def test_step_explained_variance_from_global_sums_equals_the_batch_formula():
@@ -22,14 +21,14 @@ def test_step_explained_variance_from_global_sums_equals_the_batch_formula():
         valid = mask[half]
         v, r = values[half][valid].double(), returns[half][valid].double()
         for key, value in (
-            ("target_tokens", valid.sum()),
+            ("tokens", valid.sum()),
             ("values", v.sum()),
             ("returns", r.sum()),
             ("returns_squared", (r**2).sum()),
             ("advantages", (r - v).sum()),
             ("advantages_squared", ((r - v) ** 2).sum()),
         ):
-            totals[f"rollout/{key}"] = totals.get(f"rollout/{key}", 0.0) + float(value)
+            totals[f"targets/{key}"] = totals.get(f"targets/{key}", 0.0) + float(value)
     record = target_metrics(totals)
     assert record["explained_variance"] == pytest.approx(explained_variance(values, returns, mask).item(), abs=1e-5)
     assert record["values_mean"] == pytest.approx(values[mask].mean().item(), abs=1e-6)
@@ -40,6 +39,7 @@ def test_global_standardize_on_one_rank_is_masked_whiten():
     generator = torch.Generator().manual_seed(0)
     advantages = torch.randn(4, 6, generator=generator)
     mask = torch.rand(4, 6, generator=generator) > 0.4
-    whitened = global_standardize(advantages, mask, torch.device("cpu"))
+    whitened = global_standardize(advantages, mask)
+    assert torch.equal(global_standardize(advantages, mask, lambda sums: list(sums)), whitened)
     assert torch.allclose(whitened, masked_whiten(advantages, mask), atol=1e-6)
     assert (whitened[~mask] == 0).all()

@@ -1,5 +1,5 @@
 """online_ppo without DeepSpeed: the ValueModel critic (zero head, trunk parity, folder layout, the policy
-class untouched), frozen targets pinned on the RolloutResult and unchanged across replay epochs, the
+class untouched), frozen targets pinned in PPOTargets (not on the rollout) and unchanged across replay epochs, the
 losses by hand, dual-clip and the entropy bonus through compute_loss, advantage whitening, KL in the reward or
 the loss, the adaptive KL coefficient, reward preprocessing, config."""
 
@@ -17,10 +17,11 @@ from astrai.algos import FixedKLController, compute_gae, kl_shaped_rewards, mask
 from astrai.config.schema import JobConfig, ModelConfig
 from astrai.models.policy import build_policy
 from astrai.models.value import ValueModel, build_value_model, load_value_model, trunk_of
-from astrai.rollout.generation import generate_rollout, rollout_metrics
+from astrai.rollout.generation import generate_rollout
 from astrai.rollout.prompts import render_prompt
 from astrai.rollout.rewards import WeightedReward
 from astrai.rollout.sequences import response_logits, response_logprobs
+from astrai.step_metrics import online_record
 from astrai.strategies.online import batch_geometry
 from astrai.strategies.ppo import PPOStrategy
 from tests.unit.rollout_fixtures import LengthReward, PlainEngine, online_job, tiny_model, tiny_tokenizer
@@ -142,28 +143,24 @@ def test_critic_folder_round_trip(tmp_path, tokenizer):
 # ----------------------------------------------------------------------------- frozen targets
 
 
-def test_frozen_targets_are_pinned_on_the_rollout(tokenizer, rollout_and_models):
+def test_frozen_targets_are_pinned_on_the_targets(tokenizer, rollout_and_models):
     result, policy, reference = rollout_and_models
     result = copy.copy(result)
     config = job(rl={"kl_coef": 0.1, "gamma": 0.9, "gae_lambda": 0.8, "whiten_advantages": False, "kl_estimator": "k3"})
     strategy = ppo_with(config, tokenizer, fresh_critic(policy), reference)
     targets = strategy.frozen_targets(result)
     mask = targets["response_mask"]
-    assert torch.equal(result.values, torch.zeros_like(result.values))  # zero head: every first value is 0
-    assert (
-        targets["advantages"] is result.advantages
-        and targets["returns"] is result.returns
-        and targets["values"] is result.values
-    )
+    assert torch.equal(targets["values"], torch.zeros_like(targets["values"]))  # zero head: every first value is 0
+    assert not hasattr(result, "values") and not hasattr(result, "advantages")  # the rollout knows generation only
     ref = response_logprobs(reference, targets, temperature=1.0, batch_size=8)
     kl = torch.where(mask.bool(), torch.expm1(ref - result.behaviour_logprobs) - (ref - result.behaviour_logprobs), 0.0)
-    assert torch.allclose(result.kl, kl, atol=1e-6) and (result.kl[mask.bool()] > 0).all()
+    assert torch.allclose(targets.kl, kl, atol=1e-6) and (targets.kl[mask.bool()] > 0).all()
     rewards = kl_shaped_rewards(result.rewards, kl, mask, 0.1)
     advantages, returns = compute_gae(rewards, torch.zeros_like(rewards), mask, 0.9, 0.8)
-    assert torch.allclose(result.advantages, advantages, atol=1e-6) and torch.allclose(
-        result.returns, returns, atol=1e-6
+    assert torch.allclose(targets["advantages"], advantages, atol=1e-6) and torch.allclose(
+        targets["returns"], returns, atol=1e-6
     )
-    record = rollout_metrics(result.metric_sums())
+    record = online_record({**result.metric_sums(), **targets.metric_sums()})
     assert (
         record["explained_variance"] == 0.0 and record["values_mean"] == 0.0 and record["kl_coef"] == pytest.approx(0.1)
     )
@@ -349,9 +346,9 @@ def test_adaptive_kl_coefficient_follows_the_target_and_round_trips(tokenizer, r
 
     strategy.kl_controller = AdaptiveKLController(0.1, 1e-4, 80)
     rollout = copy.copy(result)
-    strategy.frozen_targets(rollout)
+    targets = strategy.frozen_targets(rollout)
     # the KL per response is far above the target: error clipped at +0.2, 8 responses over a horizon of 80
-    assert rollout.kl_coef == pytest.approx(0.1)  # the rewards were shaped with the coefficient before the update
+    assert targets.kl_coef == pytest.approx(0.1)  # the rewards were shaped with the coefficient before the update
     assert strategy.kl_controller.value == pytest.approx(0.1 * (1 + 0.2 * 8 / 80))
     state = strategy.state_dict()
     other = ppo_with(config, tokenizer, fresh_critic(policy), reference)

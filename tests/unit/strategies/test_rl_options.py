@@ -166,11 +166,11 @@ def test_online_ppo_shapes_the_reward_with_k1_by_default(tokenizer, rollout_and_
     result, policy, reference = rollout_and_models
     config = job("online_ppo", rl={"kl_coef": 0.1, "whiten_advantages": False})
     strategy = strategy_with(config, tokenizer, policy, reference)
-    strategy.frozen_targets(result := copy.copy(result))
+    targets = strategy.frozen_targets(result := copy.copy(result))
     mask = result.response_mask.bool()
     ref = response_logprobs(reference, result.training_tensors(), temperature=1.0, batch_size=8)
-    assert torch.allclose(result.kl, torch.where(mask, result.behaviour_logprobs - ref, 0.0), atol=1e-6)
-    assert (result.kl[mask] < 0).any()  # k1 can be negative; k3 never is
+    assert torch.allclose(targets.kl, torch.where(mask, result.behaviour_logprobs - ref, 0.0), atol=1e-6)
+    assert (targets.kl[mask] < 0).any()  # k1 can be negative; k3 never is
 
 
 # ----------------------------------------------------------------------------- critic-free estimators (item 8)
