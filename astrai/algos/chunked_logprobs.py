@@ -13,7 +13,8 @@ needs the loss to be a plain sum of token terms, not a PPO ratio or an entropy b
 is computed directly: no recomputation when everything fits in one.
 
 The numbers are those of `logprobs.token_logprobs` and `ppo.entropy_from_logits` applied to the full
-logits (the same functions run on each chunk), up to the floating-point order of the output matmul.
+logits (the same functions run on each chunk; log-probs alone through cross_entropy, the same
+log-softmax fused), up to the floating-point order of the output matmul.
 The gradient of the weight is one sum over chunks, so a hook on it (DeepSpeed's gradient reduction)
 fires once per backward, as with the full logits.
 """
@@ -58,13 +59,15 @@ def head_statistics(
     if (labels < 0).any():
         raise ValueError("labels must be token ids >= 0: select the scored positions first")
 
+    compute_dtype = hidden.dtype if hidden.dtype in (torch.float32, torch.float64) else torch.float32
+
     def chunk_statistics(chunk_hidden, chunk_weight, chunk_bias, chunk_labels):
         logits = real_vocabulary(F.linear(chunk_hidden, chunk_weight, chunk_bias), vocab_size).unsqueeze(0)
         if temperature != 1.0:
             logits = logits / temperature
+        if entropy is None:  # log_softmax + gather, fused: its backward keeps one [chunk, vocab] block, not three
+            return (-F.cross_entropy(logits[0].to(compute_dtype), chunk_labels, reduction="none"),)
         logps = token_logprobs(logits, chunk_labels.unsqueeze(0))[0]
-        if entropy is None:
-            return (logps,)
         if entropy == "metric":
             with torch.no_grad():
                 return logps, entropy_from_logits(logits.detach())[0]
@@ -81,9 +84,8 @@ def head_statistics(
             parts.append(checkpoint(chunk_statistics, *arguments, use_reentrant=False, preserve_rng_state=False))
         else:
             parts.append(chunk_statistics(*arguments))
-    dtype = hidden.dtype if hidden.dtype in (torch.float32, torch.float64) else torch.float32
     if not parts:
-        empty = hidden.new_zeros(0, dtype=dtype)
+        empty = hidden.new_zeros(0, dtype=compute_dtype)
         return empty, (empty if entropy else None)
     logps = torch.cat([part[0] for part in parts])
     return logps, (torch.cat([part[1] for part in parts]) if entropy else None)

@@ -94,7 +94,10 @@ def gradients(model) -> dict[str, torch.Tensor]:
 def assert_same(full: dict, chunked: dict) -> None:
     assert full.keys() == chunked.keys() and full
     for name in full:
-        torch.testing.assert_close(chunked[name], full[name], **EXACT, msg=name)
+        # 1e-6 of the tensor's own scale: fp32 sums of many terms (a bias gradient) differ in their last bits
+        # with the order of the output matmul and of the log-softmax, whatever their size
+        scale = max(1.0, float(full[name].abs().max()))
+        torch.testing.assert_close(chunked[name], full[name], rtol=1e-6, atol=1e-6 * scale, msg=name)
 
 
 @pytest.mark.parametrize("name", CHUNKED + sorted(REFUSED))
