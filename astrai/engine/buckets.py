@@ -34,34 +34,37 @@ DEEPSPEED_DEFAULTS = {
 }
 
 
-def derived_bucket_sizes(hidden_size: int, stage: int) -> dict[str, int]:
-    """The zero_optimization keys that matter at `stage`, sized for a model of `hidden_size`."""
+def derived_bucket_sizes(hidden_size: int, stage: int | None = None) -> dict[str, int]:
+    """The zero_optimization keys that matter at `stage` (every bucket key for None), sized for a model of
+    `hidden_size`."""
     square = hidden_size * hidden_size
-    if stage in (1, 2):
-        return {"reduce_bucket_size": square, "allgather_bucket_size": square}
-    if stage == 3:
-        return {
-            "reduce_bucket_size": square,
-            "stage3_prefetch_bucket_size": int(0.9 * square),
-            "stage3_param_persistence_threshold": 10 * hidden_size,
-            "stage3_max_live_parameters": ZERO3_LIVE_PARAMETERS,
-            "stage3_max_reuse_distance": ZERO3_LIVE_PARAMETERS,
-        }
-    return {}
+    zero12 = {"reduce_bucket_size": square, "allgather_bucket_size": square}
+    zero3 = {
+        "reduce_bucket_size": square,
+        "stage3_prefetch_bucket_size": int(0.9 * square),
+        "stage3_param_persistence_threshold": 10 * hidden_size,
+        "stage3_max_live_parameters": ZERO3_LIVE_PARAMETERS,
+        "stage3_max_reuse_distance": ZERO3_LIVE_PARAMETERS,
+    }
+    if stage is None:
+        return {**zero12, **zero3}
+    return zero12 if stage in (1, 2) else zero3 if stage == 3 else {}
 
 
 def size_buckets(zero: dict, hidden_size: int | None) -> dict:
     """`zero` (a resolved `zero_optimization` section, changed in place and returned) with every bucket key
-    of its stage that is missing or "auto" derived from `hidden_size`; other "auto" keys get DeepSpeed's
-    default. Numbers the user wrote are kept."""
-    derived = derived_bucket_sizes(hidden_size, int(zero.get("stage", 0))) if hidden_size else {}
-    for key, value in derived.items():
-        if key not in zero or zero[key] == "auto":
-            zero[key] = value
+    of its stage that is missing or "auto" derived from `hidden_size`, and any other "auto" bucket key too
+    (a template's stage-3 keys on a stage-0 run). Without a hidden size, "auto" keys get DeepSpeed's
+    defaults. Numbers the user wrote are kept."""
+    if hidden_size:
+        for key, value in derived_bucket_sizes(hidden_size, int(zero.get("stage", 0))).items():
+            zero.setdefault(key, value)
+        every = derived_bucket_sizes(hidden_size)
+    else:
+        every = {}
     for key, value in list(zero.items()):
         if value == "auto" and key in DEEPSPEED_DEFAULTS:
-            zero[key] = DEEPSPEED_DEFAULTS[key]
-            logger.info(
-                "zero_optimization.%s: auto without a known hidden size: DeepSpeed's default %d", key, zero[key]
-            )
+            zero[key] = every.get(key, DEEPSPEED_DEFAULTS[key])
+            if key not in every:
+                logger.info("zero_optimization.%s: auto without a known hidden size: DeepSpeed's default", key)
     return zero

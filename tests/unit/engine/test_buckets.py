@@ -119,3 +119,11 @@ def test_the_plan_counts_one_chunk_of_logits(tmp_path):
         plan = make_plan(job, str(path), 1, None, host_memory=10**12)
         rows[chunk] = {row.component: row.host for row in plan.rows}["logits + log-softmax"]
     assert rows[8] * 32 == rows[0] * 8  # 8 of the 32 positions at a time
+
+
+def test_a_templates_auto_keys_of_another_stage_are_derived_too(tmp_path):
+    # zero3.json's stage-3 keys say "auto"; the job runs it as ZeRO-2: every auto is still a number
+    zero = resolved(job_file(tmp_path, {"config": "ds_configs/zero3.json", "zero_stage": 2}))
+    assert zero["stage"] == 2 and zero["allgather_bucket_size"] == HIDDEN**2
+    assert zero["stage3_prefetch_bucket_size"] == int(0.9 * HIDDEN**2)
+    assert "auto" not in zero.values()
