@@ -76,6 +76,7 @@ class GrpoStrategy(OnlineStrategy):
                 batch_size=self.geometry.micro_batch_size,
                 vocab_size=len(self.tokenizer),
                 chunk_size=self.job.train.logits_chunk_size,
+                packed=self.job.rl.packing,
             )
             if not self.kl_in_reward():
                 targets["reference_logprobs"] = reference
@@ -111,10 +112,10 @@ class GrpoStrategy(OnlineStrategy):
         settings, mask = self.job.rl, batch["response_mask"]
         options = self.router_options(policy)  # a mixture of experts returns its load-balancing loss
         temperature, vocab_size = self.job.rollout.temperature, len(self.tokenizer)
-        chunk_size = self.job.train.logits_chunk_size
+        chunk_size, packed = self.job.train.logits_chunk_size, self.job.rl.packing
         logprobs, entropy, output = response_token_statistics(
             policy, batch, temperature=temperature, vocab_size=vocab_size, chunk_size=chunk_size, entropy="metric",
-            **options,
+            packed=packed, **options,
         )  # fmt: skip
         advantages = batch["advantages"]
         if advantages.dim() == 1:

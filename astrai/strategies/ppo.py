@@ -139,7 +139,9 @@ class PPOStrategy(OnlineStrategy):
         self.score(rollout)
         targets = rollout.training_tensors()
         mask = targets["response_mask"]
-        values = frozen_response_values(self.critic, targets, batch_size=self.geometry.micro_batch_size)
+        values = frozen_response_values(
+            self.critic, targets, batch_size=self.geometry.micro_batch_size, packed=settings.packing
+        )
         kl = self.reference_kl(targets)
         coefficient = self.kl_controller.value
         shaping = coefficient if settings.kl_in_reward else 0.0
@@ -170,6 +172,7 @@ class PPOStrategy(OnlineStrategy):
             batch_size=self.geometry.micro_batch_size,
             vocab_size=len(self.tokenizer),
             chunk_size=self.job.train.logits_chunk_size,
+            packed=settings.packing,
         )
         if not settings.kl_in_reward:
             targets["reference_logprobs"] = reference
@@ -208,6 +211,7 @@ class PPOStrategy(OnlineStrategy):
             vocab_size=vocab_size,
             chunk_size=self.job.train.logits_chunk_size,
             entropy="trained" if settings.entropy_coef > 0 else "metric",
+            packed=self.job.rl.packing,
             **options,
         )
         surrogate = ppo_policy_loss(
@@ -247,7 +251,7 @@ class PPOStrategy(OnlineStrategy):
         """vf_coef x the clipped value loss of the critic's values [B, R] against the pinned returns.
         Logged `value_loss` is before vf_coef (the regression error itself)."""
         settings, mask = self.job.rl, batch["response_mask"]
-        values = response_values(critic, batch)
+        values = response_values(critic, batch, self.job.rl.packing)
         regression = value_loss(
             values,
             batch["values"],

@@ -178,3 +178,12 @@ def test_scale_0p5b_smoke_at_the_tiny_shape(tmp_path):
     assert list(phases) == ["sft_zero3", "publish", "export_hf"]  # publish and export read sft_zero3's checkpoint
     assert all(row["exit"] == 0 for row in phases.values())
     assert len(phases["sft_zero3"]["peak_rss_mib"]) == 2 and phases["publish"]["plain_copy_fsync_s"] > 0
+
+
+@pytest.mark.slow
+def test_packing_smoke(tmp_path):
+    arguments = ["--rows", "40", "--steps", "3", "--warmup", "1", "--hidden", "32", "--layers", "1"]
+    result = run_benchmark("packing.py", tmp_path, *arguments, "--tokens", "2048", "--micro-batch", "2")
+    assert [run["variant"] for run in result["runs"]] == ["padded", "packed"]
+    assert all(run["real_tokens_per_s"] > 0 and run["steps"] == 2 for run in result["runs"])
+    assert result["packed_over_padded"] > 0
