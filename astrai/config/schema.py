@@ -85,6 +85,12 @@ class TokenizerBuild(Section):
         description="`char`: one token per character seen in the data; `bpe`: byte-level BPE trained on the data.",
     )
     vocab_size: int = Field(512, ge=16, description="Target vocabulary size for `bpe` (ignored by `char`).")
+    fill_vocab: bool = Field(
+        False,
+        description="`bpe` only: when the data trains fewer than `vocab_size` tokens, fill the rest with tokens no "
+        "text encodes to, so the tokenizer (and the model's embedding and output layer) has exactly `vocab_size` ids: "
+        "a large-vocabulary shape on a small corpus (configs/scale_0p5b.yaml).",
+    )
 
 
 class TokenizerConfig(Section):
@@ -172,6 +178,15 @@ class TrainConfig(Section):
         "sampling), and the data order: a rerun of the job repeats its losses exactly.",
     )
     log_every_steps: int = Field(1, ge=1, description="Write a metrics record every N optimizer steps.")
+    logits_chunk_size: int = Field(
+        512,
+        ge=0,
+        description="Token log-probs, entropy and the cross-entropy are computed from the final hidden states this "
+        "many positions at a time, so the full [batch, seq_len, vocab] logits never exist (their backward recomputes "
+        "each chunk's logits: one more output-layer matmul). Used when a micro-batch has more positions than one "
+        "chunk; 0 = off. Models that change their logits after the output layer (Gemma 2 softcapping) take the full "
+        "path (docs/guides/memory.md).",
+    )
     on_nonfinite: Literal["stop", "skip_step"] = Field(
         "stop",
         description="A non-finite loss or gradient norm on any rank (decided on all ranks together): `stop` "
