@@ -29,6 +29,7 @@ from astrai.init_from_checkpoint import load_checkpoint_weights
 from astrai.models.lora import apply_lora, base_model_identity, critic_base_identity
 from astrai.models.policy import build_policy
 from astrai.models.segment_attention import check_packing_job, use_segment_attention
+from astrai.models.shape import model_hidden_size
 from astrai.models.tokenizer import (
     TOKENIZER_DIR,
     TokenizerError,
@@ -55,7 +56,12 @@ def make_tokenizer(job: JobConfig, rows, output_dir: Path, is_main: bool):
             job.data.chosen_field,
             job.data.rejected_field,
         )
-        tokenizer = build_tokenizer(job.tokenizer.build.kind, iter_texts(rows, fields), job.tokenizer.build.vocab_size)
+        tokenizer = build_tokenizer(
+            job.tokenizer.build.kind,
+            iter_texts(rows, fields),
+            job.tokenizer.build.vocab_size,
+            job.tokenizer.build.fill_vocab,
+        )
         if job.tokenizer.chat_template:
             tokenizer.chat_template = job.tokenizer.chat_template
         keep_run_tokenizer(tokenizer, output_dir / TOKENIZER_DIR, is_main)
@@ -130,6 +136,7 @@ def engine_config(
         eps=job.train.adam_eps,
         zero_stage=zero_stage,
         world_size=world_size,
+        hidden_size=model_hidden_size(job.model),  # ZeRO buckets sized to the model (engine/buckets.py)
     )
 
 

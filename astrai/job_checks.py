@@ -45,7 +45,8 @@ def load_and_check(config_path: str, overrides: list[str]):
 
 def check_job_parts(job, config_path: str, world_size: int) -> None:
     """What only the libraries behind a job can judge (DeepSpeed's config parser, the transformers config
-    of the model, the reward's Python module), judged before any rank starts: ConfigError naming file and key."""
+    of the model, the reward's Python module, the trackers' libraries), judged before any rank starts: ConfigError
+    naming file and key."""
     from astrai.build import engine_config
     from astrai.config import ConfigError
     from astrai.config.schema import known_log_level
@@ -53,6 +54,7 @@ def check_job_parts(job, config_path: str, world_size: int) -> None:
     from astrai.models.lora import check_lora_job
     from astrai.models.policy import check_model_config
     from astrai.rollout.rewards import RewardError, load_function
+    from astrai.trackers import missing_tracker
 
     level = job.runtime.environment.get("ASTR_LOG_LEVEL", os.environ.get("ASTR_LOG_LEVEL"))
     try:
@@ -75,7 +77,7 @@ def check_job_parts(job, config_path: str, world_size: int) -> None:
             check_ds_config(config, f"the DeepSpeed config ({' + '.join(sources) or 'defaults'})")
     except DeepSpeedConfigError as error:
         raise ConfigError(f"{config_path}: {error}") from None
-    problem = check_model_config(job.model) or check_lora_job(job)
+    problem = check_model_config(job.model) or check_lora_job(job) or missing_tracker(job.runtime)
     if problem:
         raise ConfigError(f"{config_path}: {problem}")
     reward = job.reward

@@ -146,7 +146,7 @@ def train_offline(run: Run) -> TrainerState:
         is_main=run.dist.is_main,
         total_steps=run.total_steps,
         start_step=state.step,
-        tensorboard=job.runtime.tensorboard,
+        job=job,
         progress_bar=job.runtime.progress_bar,
     )
     steps = run.data.steps(accumulation)  # from the resumed position; token-balanced with data.packing
@@ -202,7 +202,7 @@ def train_online(run: Run) -> TrainerState:
         is_main=run.dist.is_main,
         total_steps=run.total_steps,
         start_step=state.step,
-        tensorboard=job.runtime.tensorboard,
+        job=job,
         progress_bar=job.runtime.progress_bar,
     )
     prompt_batches = run.data.batches()  # from the resumed position; every prompt drawn (all rounds) advances it

@@ -124,6 +124,12 @@ class TokenizerBuild(Section):
         description="`char`: one token per character seen in the data; `bpe`: byte-level BPE trained on the data.",
     )
     vocab_size: int = Field(512, ge=16, description="Target vocabulary size for `bpe` (ignored by `char`).")
+    fill_vocab: bool = Field(
+        False,
+        description="`bpe` only: when the data trains fewer than `vocab_size` tokens, fill the rest with tokens no "
+        "text encodes to, so the tokenizer (and the model's embedding and output layer) has exactly `vocab_size` ids: "
+        "a large-vocabulary shape on a small corpus (configs/scale_0p5b.yaml).",
+    )
 
 
 class TokenizerConfig(Section):
@@ -211,6 +217,15 @@ class TrainConfig(Section):
         "sampling), and the data order: a rerun of the job repeats its losses exactly.",
     )
     log_every_steps: int = Field(1, ge=1, description="Write a metrics record every N optimizer steps.")
+    logits_chunk_size: int = Field(
+        512,
+        ge=0,
+        description="Token log-probs, entropy and the cross-entropy are computed from the final hidden states this "
+        "many positions at a time, so the full [batch, seq_len, vocab] logits never exist (their backward recomputes "
+        "each chunk's logits: one more output-layer matmul). Used when a micro-batch has more positions than one "
+        "chunk; 0 = off. Models that change their logits after the output layer (Gemma 2 softcapping) take the full "
+        "path (docs/guides/memory.md).",
+    )
     on_nonfinite: Literal["stop", "skip_step"] = Field(
         "stop",
         description="A non-finite loss or gradient norm on any rank (decided on all ranks together): `stop` "
@@ -373,7 +388,27 @@ class RuntimeConfig(Section):
         "INFO", description="Trainer log level (env ASTR_LOG_LEVEL overrides): DEBUG, INFO, WARNING, ERROR or CRITICAL."
     )
     progress_bar: bool = Field(True, description="tqdm bar on rank 0.")
-    tensorboard: bool = Field(True, description="Write TensorBoard events when `tensorboard` is installed.")
+    tensorboard: bool = Field(
+        True,
+        description="Older key, kept: with `runtime.trackers` unset, true writes TensorBoard events when `tensorboard` "
+        "is installed (as before), false writes none. Prefer `runtime.trackers`.",
+    )
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] | None = Field(
+        None,
+        description="Experiment trackers fed every metrics record beside metrics.jsonl (always written), on rank 0: "
+        "`tensorboard` (<output_dir>/tensorboard), `wandb` (offline under <output_dir>/wandb unless WANDB_MODE or "
+        "WANDB_API_KEY says otherwise), `mlflow` (a file store <output_dir>/mlruns by default). Each is an extra "
+        "(`pip install 'astrai[wandb]'`); one not installed fails before any rank starts. A resume continues the "
+        "same tracker runs (<output_dir>/trackers.json). null: `runtime.tensorboard` decides "
+        "(docs/guides/training.md).",
+    )
+    wandb_project: str = Field("astrai", description="W&B project of the run (entity: WANDB_ENTITY or your default).")
+    mlflow_tracking_uri: str | None = Field(
+        None,
+        description="MLflow tracking URI (a server `http://...`, `sqlite:///...`, `file:...`); null: a file store at "
+        "<output_dir>/mlruns.",
+    )
+    mlflow_experiment: str = Field("astrai", description="MLflow experiment the run is created in (created if new).")
     tune_malloc: bool = Field(
         True,
         description="Set glibc malloc's mmap/trim thresholds on every rank so each step's buffers are kept rather "
@@ -385,6 +420,32 @@ class RuntimeConfig(Section):
     @classmethod
     def _known_level(cls, value: str) -> str:
         return known_log_level(value)
+
+    @field_validator("trackers")
+    @classmethod
+    def _distinct_trackers(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and len(set(value)) != len(value):
+            raise ValueError(f"names a tracker twice: {value}")
+        return value
+
+    @field_validator("wandb_project")
+    @classmethod
+    def _wandb_project_name(cls, value: str) -> str:
+        refused = [character for character in "/\\#?%:" if character in value]
+        if refused or not value or len(value) > 128:
+            raise ValueError(f"{value!r} is not a W&B project name (1-128 characters, none of / \\ # ? % :)")
+        return value
+
+    @model_validator(mode="after")
+    def _one_tensorboard_answer(self) -> RuntimeConfig:
+        """`runtime.tensorboard` given beside `runtime.trackers` must agree with it (else which one wins?)."""
+        if self.trackers is not None and "tensorboard" in self.model_fields_set:
+            if self.tensorboard != ("tensorboard" in self.trackers):
+                raise ValueError(
+                    f"`runtime.tensorboard: {str(self.tensorboard).lower()}` contradicts `runtime.trackers: "
+                    f"{self.trackers}`; keep `runtime.trackers` alone"
+                )
+        return self
 
     @field_validator("environment")
     @classmethod

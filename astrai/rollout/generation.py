@@ -226,6 +226,7 @@ def generate_rollout(
     policy_version: int,
     logprob_batch_size: int,
     behaviour_logprobs: bool = True,
+    logits_chunk_size: int = 0,
     packed: bool = False,
 ) -> RolloutResult:
     """Sample `settings.group_size` responses to each prompt and take their behaviour log-probs (recomputed
@@ -237,7 +238,7 @@ def generate_rollout(
     messages, rows: per prompt, handed on to the rewards. settings: the `rollout:` config section.
     Every rank must call this with the same number of prompts under ZeRO-3. behaviour_logprobs=False
     takes none (the result's behaviour_logprobs is None). packed (rl.packing): the recomputing forward runs
-    without the padding (rollout/packed.py).
+    without the padding (rollout/packed.py). logits_chunk_size: `train.logits_chunk_size`.
     """
     group = settings.group_size
     device = engine.device
@@ -266,6 +267,7 @@ def generate_rollout(
             temperature=settings.temperature,
             batch_size=logprob_batch_size,
             vocab_size=len(tokenizer),
+            chunk_size=logits_chunk_size,
             packed=packed,
         )
     prompt_texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]

@@ -28,6 +28,7 @@ from astrai.data.collate import pad_right
 from astrai.data.packing import is_packed, model_inputs, pack_sequences, segment_sums
 from astrai.data.render import preference_batch
 from astrai.engine import all_gather_objects
+from astrai.models.output_head import chunked_token_statistics, next_token_labels
 from astrai.run import Run
 from astrai.strategies.base import StepOutput, Strategy, register
 from astrai.strategies.reference import build_reference
@@ -37,17 +38,32 @@ REFERENCE_COLUMNS = ("reference_chosen_logps", "reference_rejected_logps")
 AVERAGED_LOSSES = ("ipo", *REFERENCE_FREE_LOSSES)  # these papers score completions by their mean token log-prob
 
 
-def completion_logprobs(model, batch: dict, average: bool = False, vocab_size: int | None = None) -> torch.Tensor:
+def completion_logprobs(
+    model, batch: dict, average: bool = False, vocab_size: int | None = None, chunk_size: int = 0
+) -> torch.Tensor:
     """Log-probs of each sequence's completion tokens, summed (or averaged, as IPO scores
     completions): [2B] for a batch of 2B sequences. vocab_size: the tokenizer's length, over whose ids
-    they normalise (a padded model vocabulary's extra rows take no probability; None: all ids)."""
-    return completion_forward(model, batch, average, vocab_size)[0]
+    they normalise (a padded model vocabulary's extra rows take no probability; None: all ids).
+    chunk_size: `train.logits_chunk_size` (models/output_head.py; 0: the full logits)."""
+    return completion_forward(model, batch, average, vocab_size, chunk_size)[0]
 
 
-def completion_forward(model, batch: dict, average: bool = False, vocab_size: int | None = None, **options):
+def completion_forward(
+    model, batch: dict, average: bool = False, vocab_size: int | None = None, chunk_size: int = 0, **options
+):
     """`completion_logprobs` [2B] and the model's whole output (e.g. a router's `aux_loss`); `options` go to
     the forward."""
-    output = model(**model_inputs(batch, model), **options)
+    inputs = model_inputs(batch, model)
+    chunked = None
+    if not is_packed(batch):  # a packed row is scored the full way (its sums are per segment)
+        labels = next_token_labels(batch["input_ids"], batch["loss_mask"])
+        chunked = chunked_token_statistics(
+            model, inputs, labels, chunk_size=chunk_size, vocab_size=vocab_size, **options
+        )
+    if chunked is not None:  # 0 on every unscored position: the plain sum is the masked one
+        output, logps, counts = chunked.output, chunked.logprobs.sum(dim=-1), batch["loss_mask"][:, 1:].sum(dim=-1)
+        return (logps / counts.clamp(min=1) if average else logps), output
+    output = model(**inputs, **options)
     logits = real_vocabulary(output.logits, vocab_size)
     shifted_logits, labels, mask = shift_for_next_token(logits, batch["input_ids"], batch["loss_mask"])
     token_logps = token_logprobs(shifted_logits, labels)
@@ -127,7 +143,9 @@ class DpoStrategy(Strategy):
             )  # a rank without pairs pads
             batch = self._to_device(self.collate([dataset[i] for i in indices]))
             average = self.job.dpo.loss in AVERAGED_LOSSES
-            logps = completion_logprobs(self.reference, batch, average=average, vocab_size=len(self.tokenizer))
+            logps = completion_logprobs(
+                self.reference, batch, average, len(self.tokenizer), self.job.train.logits_chunk_size
+            )
             pairs = len(indices)
             for position, index in enumerate(indices):
                 results[index] = (float(logps[position]), float(logps[pairs + position]))
@@ -171,7 +189,8 @@ class DpoStrategy(Strategy):
         pairs = _sequences(batch) // 2
         settings = self.job.dpo
         average = settings.loss in AVERAGED_LOSSES
-        logps, output = completion_forward(policy, batch, average, len(self.tokenizer), **self.router_options(policy))
+        chunk_size, options = self.job.train.logits_chunk_size, self.router_options(policy)
+        logps, output = completion_forward(policy, batch, average, len(self.tokenizer), chunk_size, **options)
         objective = self._objective(logps[:pairs], logps[pairs:], batch, average)
         chosen, rejected = logps[:pairs].detach(), logps[pairs:].detach()
         sums = {
@@ -211,7 +230,9 @@ class DpoStrategy(Strategy):
             return orpo_loss(chosen, rejected, beta=settings.beta)
         reference = batch.get("reference_logps")
         if reference is None:
-            reference = completion_logprobs(self.reference, batch, average, len(self.tokenizer))
+            reference = completion_logprobs(
+                self.reference, batch, average, len(self.tokenizer), self.job.train.logits_chunk_size
+            )
         pairs = chosen.shape[0]
         return dpo_loss(
             chosen,

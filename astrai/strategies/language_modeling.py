@@ -17,6 +17,7 @@ from astrai.data.collate import collate_token_rows
 from astrai.data.packing import document_positions, model_inputs, pack_sequences
 from astrai.data.render import is_text_row, pack_batch, sft_batch
 from astrai.data.sources import Rows
+from astrai.models.output_head import chunked_token_statistics, next_token_labels
 from astrai.strategies.base import StepOutput, Strategy, register
 
 
@@ -42,8 +43,15 @@ class LanguageModelingStrategy(Strategy):
         load-balancing term (`router_aux_loss`); the logged `loss` is the cross-entropy alone.
         """
         options = self.router_options(policy)  # a mixture of experts returns its load-balancing loss
-        output = policy(**model_inputs(batch, policy), **options)
-        loss_sum, count = next_token_cross_entropy_sum(output.logits, batch["input_ids"], batch["loss_mask"])
+        inputs = model_inputs(batch, policy)
+        labels = next_token_labels(batch["input_ids"], batch["loss_mask"])
+        chunk_size = self.job.train.logits_chunk_size
+        chunked = chunked_token_statistics(policy, inputs, labels, chunk_size=chunk_size, **options)
+        if chunked is None:  # the full [batch, seq_len, vocab] logits (models/output_head.py says when)
+            output = policy(**inputs, **options)
+            loss_sum, count = next_token_cross_entropy_sum(output.logits, batch["input_ids"], batch["loss_mask"])
+        else:
+            output, loss_sum, count = chunked.output, -chunked.logprobs.sum(), (labels >= 0).sum()
         sums = {"loss": float(loss_sum.detach()), "weight": float(count)}
         router = self.router_aux_loss(policy, output, float(count), normalizer, sums, float(count))
         loss = loss_sum / normalizer + router
