@@ -26,6 +26,7 @@ from astrai.engine import (
 )
 from astrai.eval.data import split_eval_data
 from astrai.init_from_checkpoint import load_checkpoint_weights
+from astrai.models.lora import apply_lora, base_model_identity, critic_base_identity
 from astrai.models.policy import build_policy
 from astrai.models.segment_attention import check_packing_job, use_segment_attention
 from astrai.models.shape import model_hidden_size
@@ -159,6 +160,9 @@ def build_critic(job: JobConfig, dist: DistInfo, source: str, tokenizer, steps: 
     )
     with zero3_loading(ds_config, job.model.zero3_init and (critic.path or job.model.path) is not None):
         model = build_value_model(job.model, tokenizer, train.seed, critic.path)
+        if critic.lora is not None:  # inside: PEFT gathers partitioned weights it reads; the value head still trains
+            identity = critic_base_identity(job, model)
+            model = apply_lora(model, critic.lora, identity, key="critic.lora", keep_trainable=("value_head",))
     if job.rl.packing:  # its packed forwards run sdpa one row at a time, as the policy's
         use_segment_attention(model.trunk)
     warmup = critic.warmup_steps if critic.warmup_steps is not None else warmup_steps(job, steps)
@@ -171,7 +175,8 @@ def build_policy_model(job: JobConfig, ds_config: dict, tokenizer):
     """The policy module before its engine: `model.init` / `model.path`, then `model.init_from_checkpoint`'s
     weights when set (loaded whole on every rank, so not partitioned while loading under ZeRO-3)."""
     start = job.model.init_from_checkpoint
-    with zero3_loading(ds_config, job.model.zero3_init and job.model.path is not None and start is None):
+    partitioned = job.model.zero3_init and job.model.path is not None and start is None
+    with zero3_loading(ds_config, partitioned):
         model = build_policy(job.model, tokenizer, job.train.seed)
     if start is not None:
         checkpoint = load_checkpoint_weights(model, start, tokenizer)
@@ -180,6 +185,10 @@ def build_policy_model(job: JobConfig, ds_config: dict, tokenizer):
             "start fresh",
             checkpoint,
         )
+    if job.model.lora is not None:
+        identity = base_model_identity(job.model, job.train.seed, model)
+        with zero3_loading(ds_config, partitioned):  # PEFT gathers the partitioned weights it reads (DoRA's norms)
+            model = apply_lora(model, job.model.lora, identity)
     return model
 
 

@@ -414,9 +414,11 @@ def export_checkpoint(
     max_shard_size: str | int = "5GB",
     tokenizer_dir: str | Path | None = None,
     progress: bool | None = None,
+    adapter: bool = False,
 ) -> Path:
     """Export one checkpoint's `part` as a Hugging Face folder at `destination`; returns its path.
-    `progress`: show the progress bar (None: when stderr is a terminal or the model is large)."""
+    `progress`: show the progress bar (None: when stderr is a terminal or the model is large).
+    A LoRA run's part is merged into its base (astrai/export_lora.py); `adapter`: PEFT's adapter folder instead."""
     if dtype not in DTYPES:
         raise ExportError(f"--dtype: unknown dtype {dtype!r} (use one of {', '.join(DTYPES)})")
     checkpoint, destination = Path(checkpoint_dir), Path(destination)
@@ -424,6 +426,20 @@ def export_checkpoint(
     check_destination(destination, overwrite)  # fail before the slow part
     job = load_checkpoint_job(checkpoint)
     tokenizer = load_export_tokenizer(job, checkpoint, tokenizer_dir)
+    from astrai.export_lora import lora_record
+
+    lora = lora_record(checkpoint, part)
+    if adapter and lora is None:
+        raise ExportError(
+            f"--adapter: the {part} of {checkpoint} has no LoRA adapter (its run trained every weight, without "
+            f"{'model' if part == 'policy' else 'critic'}.lora): export it without --adapter"
+        )
+    if adapter and part == "critic":
+        raise ExportError("--adapter: a critic's adapter has no PEFT base class to load it into; export it merged")
+    if lora is not None:
+        return export_lora_part(
+            job, tokenizer, checkpoint, destination, part, lora, adapter, dtype, overwrite, max_shard_size
+        )
     model = critic_skeleton(job, tokenizer) if part == "critic" else build_skeleton(job, tokenizer)
     bar = progress_bar(model, progress)
     try:
@@ -441,6 +457,55 @@ def export_checkpoint(
         bar.close()
     logger.info("exported %s (%s, %s) to %s", checkpoint, part, dtype, destination)
     return destination
+
+
+def export_lora_part(job, tokenizer, checkpoint, destination, part, lora, adapter, dtype, overwrite, max_shard_size):
+    """A LoRA part: its base rebuilt, the adapter merged into it (or, `adapter`, PEFT's adapter folder)."""
+    model = adapted_model(job, tokenizer, checkpoint, part, lora, adapter=adapter, dtype=DTYPES[dtype])
+    if part == "policy" and not adapter:
+        set_generation_config(model, tokenizer, job)
+    write_export(model, tokenizer, destination, overwrite, max_shard_size, progress_bar(model, False))
+    kind = "PEFT adapter" if adapter else "LoRA merged into its base"
+    logger.info("exported %s (%s, %s, %s) to %s", checkpoint, part, kind, dtype, destination)
+    return destination
+
+
+def adapted_model(job, tokenizer, checkpoint: Path, part: str, lora: dict, *, adapter: bool, dtype):
+    """A LoRA part's merged model (or adapter folder), astrai/export_lora.py's, with its errors as ExportError."""
+    from astrai.export_lora import lora_export_model
+    from astrai.models.lora import LoraError
+
+    try:
+        state = part_weights(checkpoint / part)
+    except (OSError, ValueError, KeyError) as error:
+        raise ExportError(f"cannot read the DeepSpeed weights in {checkpoint / part}: {error}") from None
+    try:
+        return lora_export_model(
+            job, tokenizer, checkpoint, part, lora, state, adapter=adapter, dtype=dtype, load_start=load_policy_state
+        )
+    except LoraError as error:
+        raise ExportError(str(error)) from None
+
+
+def policy_state(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """A checkpoint's policy as full fp32 weights: its own, or for a LoRA run its base with the adapter merged
+    (what `model.init_from_checkpoint` starts from)."""
+    from astrai.export_lora import lora_record
+
+    lora = lora_record(checkpoint, "policy")
+    if lora is None:
+        return part_weights(checkpoint / "policy")
+    job = load_checkpoint_job(checkpoint)
+    tokenizer = load_export_tokenizer(job, checkpoint, None)
+    return dict(
+        adapted_model(job, tokenizer, checkpoint, "policy", lora, adapter=False, dtype=torch.float32).state_dict()
+    )
+
+
+def load_policy_state(model, path: str | Path) -> None:
+    """`policy_state` of the checkpoint `path` names (a step folder or an output_dir) into `model`."""
+    state = prepare_state(policy_state(resolve_checkpoint(path)), model, torch.float32)
+    load_weights(model, state, torch.float32)
 
 
 def export_finished_run(job) -> Path:
@@ -491,6 +556,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--tokenizer-dir", default=None, help="tokenizer folder (default: the run's own)")
     parser.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a LoRA run: write PEFT's adapter folder (PeftModel.from_pretrained) instead of the merged model",
+    )
+    parser.add_argument(
         "--best", action="store_true", help="the best checkpoint by the run's checkpoint.keep_best, not the newest"
     )
     return parser.parse_args(argv)
@@ -519,6 +589,7 @@ def export_main(argv: list[str]) -> int:
                 overwrite=args.overwrite,
                 max_shard_size=args.max_shard_size,
                 tokenizer_dir=args.tokenizer_dir,
+                adapter=args.adapter,
             )
     except (AstraiError, OSError, ValueError) as error:  # the checkpoint's, the tokenizer's, the model's
         message = " ".join(str(error).split())  # one line, whatever the wrapped error looked like

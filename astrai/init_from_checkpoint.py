@@ -33,7 +33,7 @@ def load_checkpoint_weights(model: torch.nn.Module, path: str | Path, tokenizer=
     checkpoint. Names and shapes must match the model's exactly (tied aliases aside). `tokenizer`:
     the job's, refused when it differs from the one the checkpoint saved (its ids would mean other
     tokens)."""
-    from astrai.export import ExportError, part_weights, prepare_state, tied_aliases
+    from astrai.export import ExportError, policy_state, prepare_state, tied_aliases
 
     checkpoint = resolve_init_checkpoint(path)
     folder = checkpoint / "policy"
@@ -42,7 +42,8 @@ def load_checkpoint_weights(model: torch.nn.Module, path: str | Path, tokenizer=
     if tokenizer is not None:
         check_saved_tokenizer(tokenizer, checkpoint / TOKENIZER_DIR, "model.init_from_checkpoint")
     try:
-        state = prepare_state(part_weights(folder), model, torch.float32)
+        # A LoRA run's checkpoint holds its adapter only: its base with the adapter merged starts this run.
+        state = prepare_state(policy_state(checkpoint), model, torch.float32)
     except ExportError as error:
         raise ModelError(f"model.init_from_checkpoint: {checkpoint}: {error}") from None
     result = model.load_state_dict(state, strict=False)  # copies into the model's tensors: ties stay tied

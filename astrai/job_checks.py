@@ -51,6 +51,7 @@ def check_job_parts(job, config_path: str, world_size: int) -> None:
     from astrai.config import ConfigError
     from astrai.config.schema import known_log_level
     from astrai.engine.ds_config import DeepSpeedConfigError, check_ds_config
+    from astrai.models.lora import check_lora_job
     from astrai.models.policy import check_model_config
     from astrai.rollout.rewards import RewardError, load_function
     from astrai.trackers import missing_tracker
@@ -76,7 +77,7 @@ def check_job_parts(job, config_path: str, world_size: int) -> None:
             check_ds_config(config, f"the DeepSpeed config ({' + '.join(sources) or 'defaults'})")
     except DeepSpeedConfigError as error:
         raise ConfigError(f"{config_path}: {error}") from None
-    problem = check_model_config(job.model) or missing_tracker(job.runtime)
+    problem = check_model_config(job.model) or check_lora_job(job) or missing_tracker(job.runtime)
     if problem:
         raise ConfigError(f"{config_path}: {problem}")
     reward = job.reward

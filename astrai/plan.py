@@ -48,6 +48,7 @@ class ModelShape:
     hidden: int
     heads: int
     vocab: int
+    trainable: int = 0  # a LoRA model: its adapter's parameters (0: every parameter trains)
 
 
 @dataclass
@@ -131,9 +132,10 @@ def tokenizer_size(job) -> int:
         )
 
 
-def count_shapes(config, critic: bool = False) -> ModelShape:
+def count_shapes(config, critic: bool = False, lora=None) -> ModelShape:
     """Exact parameter count of the causal LM (or the critic: its trunk + value head) built on the meta
-    device: no storage is allocated. Tied embeddings are one parameter, counted once."""
+    device: no storage is allocated. Tied embeddings are one parameter, counted once. `lora`: the
+    model.lora / critic.lora settings, the model wrapped as the run wraps it (`trainable` counted)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -143,6 +145,11 @@ def count_shapes(config, critic: bool = False) -> ModelShape:
             from astrai.models.value import ValueModel, trunk_of
 
             model = ValueModel(trunk_of(model))
+        if lora is not None:
+            from astrai.models.lora import apply_lora
+
+            keep = ("value_head",) if critic else ()
+            model = apply_lora(model, lora, {"path": "plan", "hash": ""}, keep_trainable=keep)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return ModelShape(
         parameters=sum(parameter.numel() for parameter in model.parameters()),
@@ -150,6 +157,7 @@ def count_shapes(config, critic: bool = False) -> ModelShape:
         hidden=int(getattr(text, "hidden_size", 0) or getattr(text, "n_embd", 0)),
         heads=int(getattr(text, "num_attention_heads", 0) or getattr(text, "n_head", 0)),
         vocab=int(text.vocab_size),
+        trainable=sum(p.numel() for p in model.parameters() if p.requires_grad) if lora is not None else 0,
     )
 
 
@@ -158,8 +166,11 @@ def zero_setting(zero: dict, key: str) -> float:
     return float(value) if isinstance(value, (int, float)) else ZERO_DEFAULTS[key]  # "auto" -> DeepSpeed's default
 
 
-def engine_rows(name: str, parameters: int, ds_config: dict, precision: str, world_size: int) -> list[Row]:
-    """One trainable engine's parameters, gradients, master weights, Adam moments and buckets on one rank."""
+def engine_rows(
+    name: str, parameters: int, ds_config: dict, precision: str, world_size: int, trainable: int = 0
+) -> list[Row]:
+    """One trainable engine's parameters, gradients, master weights, Adam moments and buckets on one rank.
+    `trainable`: a LoRA engine's adapter parameters, the only ones with gradients and optimizer state."""
     zero = ds_config["zero_optimization"]
     stage = zero["stage"]
     half = precision in ("bf16", "fp16")
@@ -167,6 +178,7 @@ def engine_rows(name: str, parameters: int, ds_config: dict, precision: str, wor
     offload_optimizer = zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
     offload_param = stage == 3 and zero.get("offload_param", {}).get("device", "none") not in ("none", None)
     params = parameters * weight_bytes // (world_size if stage == 3 else 1)
+    parameters = trainable or parameters  # what has gradients, master weights, moments and buckets
     grads = parameters * weight_bytes // (world_size if stage >= 2 else 1)
     master = parameters * 4 // (world_size if stage >= 1 else 1) if (half or stage >= 1) else 0
     moments = parameters * 8 // (world_size if stage >= 1 else 1)
@@ -241,7 +253,7 @@ def make_plan(job, source: str, world_size: int, gpu_memory_gib: float | None, h
     precision = ("bf16" if on_gpu else "fp32") if dtype == "auto" else dtype
     job = job.model_copy(update={"model": job.model.model_copy(update={"dtype": precision})})
     config = model_config(job, tokenizer_size(job))
-    shape = count_shapes(config)
+    shape = count_shapes(config, lora=job.model.lora)
     ds_config = engine_config(
         job,
         source,
@@ -252,14 +264,16 @@ def make_plan(job, source: str, world_size: int, gpu_memory_gib: float | None, h
     stage = ds_config["zero_optimization"]["stage"]
     weight_bytes = 2 if precision in ("bf16", "fp16") else 4
     plan = Plan(job.train.train_type, world_size, precision, stage, shape.parameters)
-    plan.rows += engine_rows("policy", shape.parameters, ds_config, precision, world_size)
-    plan.checkpoint_bytes = checkpoint_bytes(shape.parameters, stage, precision)
+    plan.rows += engine_rows("policy", shape.parameters, ds_config, precision, world_size, shape.trainable)
+    plan.checkpoint_bytes = checkpoint_bytes(shape.trainable or shape.parameters, stage, precision)
+    # A LoRA policy is its own reference (adapter disabled) and samples in place under ZeRO-3.
+    own_reference = job.model.lora is not None and job.model.reference_path is None
     strategy = strategy_class(job.train.train_type)
     train_type = job.train.train_type
     with_reference = (train_type == "dpo" and not job.dpo.precompute_reference) or (
         train_type in ("grpo", "online_ppo") and job.rl.kl_coef > 0
     )
-    if with_reference:  # a frozen engine: the policy's dtype, partitioned only under ZeRO-3
+    if with_reference and not own_reference:  # a frozen engine: the policy's dtype, partitioned only under ZeRO-3
         reference = shape.parameters * weight_bytes // (world_size if stage == 3 else 1)
         plan.rows.append(Row("reference parameters", gpu=reference))
     if "critic" in strategy.engine_parts:
@@ -271,11 +285,12 @@ def make_plan(job, source: str, world_size: int, gpu_memory_gib: float | None, h
             world_size=world_size,
             zero_stage=job.critic.zero_stage,
         )
-        critic_parameters = count_shapes(config, critic=True).parameters
-        plan.rows += engine_rows("critic", critic_parameters, critic_config, precision, world_size)
+        critic = count_shapes(config, critic=True, lora=job.critic.lora)
+        plan.rows += engine_rows("critic", critic.parameters, critic_config, precision, world_size, critic.trainable)
         critic_stage = critic_config["zero_optimization"]["stage"]
-        plan.checkpoint_bytes += checkpoint_bytes(critic_parameters, critic_stage, precision)
-    if train_type in ("grpo", "online_ppo") and stage == 3 and job.rollout.zero3_generation == "copy":
+        plan.checkpoint_bytes += checkpoint_bytes(critic.trainable or critic.parameters, critic_stage, precision)
+    copy = job.rollout.zero3_generation == "copy" and job.model.lora is None
+    if train_type in ("grpo", "online_ppo") and stage == 3 and copy:
         # Engine.generation_module: a plain module of the policy's class and dtype, filled for the rollout.
         plan.rows.append(Row("ZeRO-3 generation copy", gpu=shape.parameters * weight_bytes))
     sequences, seq_len = sequence_geometry(job)

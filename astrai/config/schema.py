@@ -23,6 +23,39 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
 
 
+class LoraSection(Section):
+    """A LoRA adapter through PEFT (docs/guides/lora.md): the model's own weights stay frozen, only the
+    adapter (and `modules_to_save`) trains, is in the optimizer and in checkpoints."""
+
+    r: int = Field(16, ge=1, description="Rank of the adapter's low-rank update.")
+    alpha: float = Field(
+        32,
+        gt=0,
+        description="LoRA scaling numerator: the update is scaled by alpha / r (alpha / sqrt(r) with use_rslora).",
+    )
+    dropout: float = Field(
+        0.0, ge=0, lt=1, description="Dropout on the adapter's input (applied even with model.disable_dropout)."
+    )
+    target_modules: list[str] | None = Field(
+        None,
+        description="Names (or name suffixes, as PEFT matches them) of the linear modules to adapt. null: every linear "
+        "layer inside the decoder blocks (not the lm_head), derived from the model. Names matching nothing are refused "
+        "before training, listing the model's linear modules.",
+    )
+    modules_to_save: list[str] | None = Field(
+        None, description="Modules trained fully beside the adapter and saved with it (e.g. `lm_head`, `embed_tokens`)."
+    )
+    use_rslora: bool = Field(False, description="Rank-stabilised LoRA: scale by alpha / sqrt(r).")
+    use_dora: bool = Field(False, description="DoRA: weight-decomposed LoRA (a trained magnitude per output).")
+    init: Literal["default", "gaussian"] | bool = Field(
+        "default",
+        description="Adapter initialisation (PEFT's `init_lora_weights`): `default`/true: Kaiming A, B = 0, so the "
+        "adapted model starts as the base; `gaussian`: Gaussian A, B = 0; false: random B (the start differs from the "
+        "base: for tests). Initialisations that rewrite the base weights (PiSSA, OLoRA) are not offered: the base must "
+        "stay the reference and what the checkpoint's base-model hash names.",
+    )
+
+
 class ModelConfig(Section):
     path: str | None = Field(
         None, description="Local folder of a transformers causal LM (config + weights). Exclusive with `init`."
@@ -66,6 +99,12 @@ class ModelConfig(Section):
         description="Mixture-of-experts policies (Qwen2-MoE, Mixtral): weight of the router's load-balancing loss "
         "added to every train type's loss (metric `router_aux_loss`). null: the model config's own "
         "`router_aux_loss_coef`; 0: off. A model without a router takes null or 0 only.",
+    )
+    lora: LoraSection | None = Field(
+        None,
+        description="Train a LoRA adapter instead of every weight (r, alpha, dropout, target_modules, modules_to_save, "
+        "use_rslora, use_dora, init); null: full fine-tuning. The dpo/grpo/online_ppo reference is then the same "
+        "model with its adapter disabled (no second model), unless model.reference_path names one.",
     )
 
     @model_validator(mode="after")
@@ -815,6 +854,11 @@ class CriticConfig(Section):
         0,
         ge=0,
         description="Train only the critic on the first N rollouts (the policy is frozen and policy_version stays 0).",
+    )
+    lora: LoraSection | None = Field(
+        None,
+        description="A LoRA adapter on the critic's trunk, as model.lora; its value head stays fully trainable. "
+        "null: the whole critic trains.",
     )
 
 

@@ -146,8 +146,44 @@ class Engine:
         the path itself (`streamed_writes`; the publisher's `StreamedFiles.open`)."""
         names = self._parameter_names_by_group() if self.zero_stage == 0 else None
         client_state = {PARAMETER_NAMES_KEY: names} if names else {}
-        with streamed_writes(self._engine, open_file):
-            self._engine.save_checkpoint(str(folder), tag=DS_TAG, client_state=client_state, save_latest=False)
+        with streamed_writes(self._engine, open_file), self._only_trainable_module_state():
+            self._engine.save_checkpoint(
+                str(folder),
+                tag=DS_TAG,
+                client_state=client_state,
+                save_latest=False,
+                exclude_frozen_parameters=self.has_frozen_parameters,
+            )
+
+    @contextlib.contextmanager
+    def _only_trainable_module_state(self):
+        """With frozen parameters, the module state DeepSpeed saves keeps the trainable parameters only.
+        Its `exclude_frozen_parameters` drops frozen names but not their tied aliases (a tied lm_head.weight
+        would carry the whole embedding matrix into every ZeRO-0/1/2 checkpoint), nor buffers of the base."""
+        if not self.has_frozen_parameters:
+            yield
+            return
+        engine, original = self._engine, self._engine.module_state_dict
+        named = self.module.named_parameters(remove_duplicate=False)
+        trainable = {name for name, parameter in named if parameter.requires_grad}
+
+        def trainable_state(*args, **kwargs):
+            state = original(*args, **kwargs)
+            for name in [name for name in state if name not in trainable]:
+                del state[name]
+            return state
+
+        engine.module_state_dict = trainable_state  # an instance attribute: DeepSpeed's class stays as it is
+        try:
+            yield
+        finally:
+            del engine.module_state_dict
+
+    @property
+    def has_frozen_parameters(self) -> bool:
+        """A LoRA model's frozen base: rebuilt from its source at every start, so neither saved nor expected
+        when loading (checkpoints hold the trainable parameters and their optimizer state only)."""
+        return any(not parameter.requires_grad for parameter in self.module.parameters())
 
     def _parameter_names_by_group(self) -> list[list[str]] | None:
         """Names of the module's parameters per optimizer group, in the optimizer's order (ZeRO-0)."""
@@ -168,7 +204,11 @@ class Engine:
         tag = DS_TAG if (Path(folder) / DS_TAG).is_dir() else None  # None: a plain DeepSpeed dir with `latest`
         with trusted_loads(self._engine, inspect=self._check_recorded_shapes):
             path, _ = self._engine.load_checkpoint(
-                str(folder), tag=tag, load_optimizer_states=with_optimizer, load_lr_scheduler_states=with_optimizer
+                str(folder),
+                tag=tag,
+                load_optimizer_states=with_optimizer,
+                load_lr_scheduler_states=with_optimizer,
+                load_module_strict=not self.has_frozen_parameters,
             )
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint found in {folder}")

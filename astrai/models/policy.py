@@ -121,7 +121,10 @@ def _zero_config_dropout(config: PreTrainedConfig) -> int:
 def routes_tokens(model) -> bool:
     """Whether the causal LM under `model` (an engine wraps it as `.module`) is a mixture of experts that
     can return its router's load-balancing loss (`output_router_logits`: Qwen2-MoE, Mixtral, ...)."""
-    return _forward_takes_router_logits(type(getattr(model, "module", model)))
+    module = getattr(model, "module", model)
+    if hasattr(module, "get_base_model"):  # a LoRA policy: PEFT's wrapper passes the argument on to its base
+        module = module.get_base_model()
+    return _forward_takes_router_logits(type(module))
 
 
 @functools.cache

@@ -37,6 +37,7 @@ from astrai.config import dump_job, parse_yaml
 from astrai.engine import CheckpointDamagedError, UnsafeCheckpointError, all_gather_objects, barrier
 from astrai.launcher_watch import leave_if_orphaned
 from astrai.metrics import METRICS_FILE, trim_metrics
+from astrai.models.lora import check_same_base, lora_checkpoint_meta
 from astrai.models.tokenizer import TOKENIZER_DIR, check_saved_tokenizer
 from astrai.resume.topology import continue_position, load_portable_part, resume_source
 from astrai.rng_state import capture_rng, decode_rng, restore_rng
@@ -309,6 +310,7 @@ class TrainingCheckpoints:
             "world_size": run.dist.world_size,
             "total_steps": run.total_steps,  # the schedule's length; a resume with another one says so
             **run.strategy.checkpoint_meta(),
+            **lora_checkpoint_meta(run.engines),  # a LoRA run's base model, which its adapter-only parts need
         }
         if self.eval_figures is not None and self.eval_figures[0] == state.step:
             meta["eval"] = self.eval_figures[1]  # what checkpoint.keep_best ranks checkpoints by
@@ -445,6 +447,8 @@ class TrainingCheckpoints:
         run = self.run
         manifest = read_manifest(path)
         check_same_job(run, path, manifest)
+        if manifest is not None:
+            check_same_base(manifest.meta.get("lora"), lora_checkpoint_meta(run.engines).get("lora"), path)
         required = run.strategy.parts_to_resume(path)
         plain_deepspeed = manifest is None and is_plain_deepspeed_dir(path) and len(required) == 1
         if not plain_deepspeed:

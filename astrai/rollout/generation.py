@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from astrai.models.lora import is_lora_model
 from astrai.rollout.sampler import TokenSampler
 from astrai.rollout.sequences import join_sequences, left_pad, response_logprobs, response_mask, truncated_rows
 from astrai.rollout.shared_prefill import group_prefill_cache, shares_prefill
@@ -190,6 +191,8 @@ def sample_responses(
         )
 
     mode = getattr(settings, "zero3_generation", "copy")
+    if is_lora_model(engine.module):
+        mode = "gather"  # the plain copy is of a transformers class; a LoRA policy samples in its own module
     # Only the partitioned module's forwards are collectives: then a rank whose responses all ended keeps stepping.
     synced = engine.zero_stage == 3 and mode == "gather" and dist.is_initialized() and dist.get_world_size() > 1
     with engine.generation_module(mode) as model:

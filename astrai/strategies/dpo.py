@@ -119,7 +119,9 @@ class DpoStrategy(Strategy):
             self.reference, self.reference_source = None, None  # never built: the loss needs only the policy
             return
         policy_config = run.engines["policy"].ds_config
-        self.reference, self.reference_source = build_reference(self.job, self.tokenizer, policy_config)
+        self.reference, self.reference_source = build_reference(
+            self.job, self.tokenizer, policy_config, policy=run.engines["policy"]
+        )
         if self.job.dpo.precompute_reference:
             run.dataset = self._precompute(run, run.dataset)
             if run.eval_dataset is not None:  # the eval pairs need theirs too

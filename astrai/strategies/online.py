@@ -162,7 +162,7 @@ class OnlineStrategy(Strategy):
         """The frozen reference (as `dpo`'s): `model.reference_path`, else the policy's starting weights;
         partitioned like the policy under ZeRO-3."""
         self.reference, self.reference_source = build_reference(
-            self.job, self.tokenizer, run.engines["policy"].ds_config
+            self.job, self.tokenizer, run.engines["policy"].ds_config, policy=run.engines["policy"]
         )
 
     def checkpoint_meta(self) -> dict:

@@ -1,5 +1,6 @@
 """The frozen reference model that `dpo`, `grpo` and `online_ppo` score against: built once, held in
-eval mode without an optimizer, sharded like the policy."""
+eval mode without an optimizer, sharded like the policy. A LoRA policy (`model.lora`) is its own
+reference: the same module with its adapter disabled, so no second model is held."""
 
 from __future__ import annotations
 
@@ -27,8 +28,36 @@ def reference_model(job, tokenizer, ds_config: dict) -> tuple[torch.nn.Module, s
     return model, source
 
 
-def build_reference(job, tokenizer, ds_config: dict) -> tuple[FrozenEngine, str]:
-    """The reference as a frozen engine sharded like the trainable `ds_config` (the policy's), and its source."""
+class DisabledAdapterReference:
+    """The LoRA policy's base model: the policy engine's forward with the adapter disabled, in eval mode and
+    without gradient (under ZeRO-3 the same partitioned parameters, gathered by the same hooks)."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.policy.module
+
+    @torch.no_grad()
+    def __call__(self, *args, **kwargs):
+        module = self.policy.module
+        was_training = module.training
+        module.eval()  # as a FrozenEngine: no dropout in the base (the adapter's own is off with the adapter)
+        try:
+            with module.disable_adapter():
+                return self.policy(*args, **kwargs)
+        finally:
+            module.train(was_training)
+
+
+def build_reference(
+    job, tokenizer, ds_config: dict, policy=None
+) -> tuple[FrozenEngine | DisabledAdapterReference, str]:
+    """The reference as a frozen engine sharded like the trainable `ds_config` (the policy's), and its source;
+    for a LoRA `policy` engine without `model.reference_path`, the policy with its adapter disabled."""
+    if policy is not None and job.model.lora is not None and job.model.reference_path is None:
+        return DisabledAdapterReference(policy), "the LoRA policy with its adapter disabled (its base model)"
     model, source = reference_model(job, tokenizer, ds_config)
     if job.data.packing or job.rl.packing:  # its packed forwards run sdpa one row at a time, as the policy's
         use_segment_attention(model)

@@ -187,3 +187,14 @@ def test_packing_smoke(tmp_path):
     assert [run["variant"] for run in result["runs"]] == ["padded", "packed"]
     assert all(run["real_tokens_per_s"] > 0 and run["steps"] == 2 for run in result["runs"])
     assert result["packed_over_padded"] > 0
+
+
+@pytest.mark.slow
+def test_lora_vs_full_smoke(tmp_path):
+    result = run_benchmark(
+        "lora_vs_full.py", tmp_path, "--size", "tiny", "--seq-len", "32", "--steps", "2", "--warmup", "1"
+    )
+    assert {run["variant"] for run in result["runs"]} == {"full", "lora"}
+    assert result["summary"]["lora"]["trainable"] < result["summary"]["full"]["trainable"]
+    assert result["summary"]["lora"]["optimizer_bytes"] < result["summary"]["full"]["optimizer_bytes"]
+    assert set(result["met"]) == {"checkpoint", "peak_rss", "tokens_per_s"}

@@ -231,3 +231,29 @@ def test_a_bad_job_fails_as_train_py_does(tmp_path, capsys):
     assert trained.returncode == 2 and planned.startswith("astrai: invalid job config")
     assert "job.yaml:1: train.micro_batch_size: Input should be greater than or equal to 1" in planned
     assert planned in trained.stderr  # the same message, word for word
+
+
+def test_lora_plans_optimizer_state_for_the_adapter_and_no_reference(tmp_path):
+    """online_ppo with model.lora and critic.lora: gradients, master weights and moments scale with the adapters
+    (the critic's value head included), the policy is its own reference and samples in place under ZeRO-3."""
+    config = write_job(
+        tmp_path,
+        model={"init": TINY_INIT, "lora": {"r": 2}},
+        train={"train_type": "online_ppo", "micro_batch_size": 2, "max_steps": 1},
+        data={"path": str(REPO / "data/arithmetic/prompts_64.jsonl"), "max_seq_len": 16},
+        rollout={"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 8},
+        rl={"kl_coef": 0.1},
+        reward={"function": "astrai.rollout.rewards:arithmetic_exact_match"},
+        deepspeed={"zero_stage": 3},
+        critic={"zero_stage": 0, "lora": {"r": 2}},
+    )
+    plan = make_plan(load_job(config), str(config), 2, 40.0, host_memory=10**12)
+    rows = by_name(plan.rows)
+    policy = count_shapes(AutoConfig.for_model(**TINY_INIT), lora=load_job(config).model.lora)
+    assert 0 < policy.trainable < policy.parameters / 2  # a tiny model: hidden 8, r 2
+    assert rows["policy Adam moments"] == (policy.trainable * 8 // 2, 0)  # ZeRO-3 over 2 ranks
+    assert rows["policy parameters"] == (policy.parameters * 2 // 2, 0)  # the frozen base is still held
+    assert "reference parameters" not in rows and "ZeRO-3 generation copy" not in rows
+    critic = count_shapes(AutoConfig.for_model(**TINY_INIT), critic=True, lora=load_job(config).critic.lora)
+    hidden = TINY_INIT["hidden_size"]
+    assert rows["critic Adam moments"] == (critic.trainable * 8, 0) and critic.trainable > hidden + 1  # head trains

@@ -221,3 +221,16 @@ def test_deepspeed_runs_log_router_aux_loss(one_rank, tmp_path, train_type, data
         record["router_aux_loss"] > 0 for record in records
     )  # top_k (2) when perfectly balanced
     assert not torch.equal(router_weight(policy), before)  # the router trained
+
+
+def test_a_lora_policy_keeps_its_router_loss(tokenizer):
+    """PEFT's wrapper takes **kwargs: whether the policy routes tokens is its base model's forward."""
+    from astrai.config.schema import LoraSection
+    from astrai.models.lora import apply_lora
+    from astrai.models.policy import routes_tokens
+
+    wrapped = apply_lora(moe_model(tokenizer), LoraSection(r=2), {"path": "test", "hash": ""})
+    assert routes_tokens(wrapped) and router_aux_loss_coef(None, wrapped) == 0.001
+    ids = torch.tensor([[3, 4, 5, 6]])
+    output = wrapped(input_ids=ids, attention_mask=torch.ones_like(ids), output_router_logits=True)
+    assert output.aux_loss is not None and output.aux_loss > 0
