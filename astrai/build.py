@@ -35,6 +35,7 @@ from astrai.models.tokenizer import (
     load_tokenizer,
     require_chat_template,
     save_tokenizer,
+    set_pad_token,
 )
 from astrai.models.value import build_value_model
 from astrai.strategies import Strategy, strategy_class
@@ -78,6 +79,7 @@ def make_tokenizer(job: JobConfig, rows, output_dir: Path, is_main: bool):
     else:
         source = job.tokenizer.path or job.model.path
         tokenizer = load_tokenizer(source, job.tokenizer.chat_template)
+    set_pad_token(tokenizer, job.tokenizer.pad_token)
     if strategy_class(job.train.train_type).renders_chats:
         require_chat_template(tokenizer, source, job.train.train_type)
     return tokenizer
@@ -209,7 +211,7 @@ def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
     ds_config = engine_config(
         job, source, lr=job.train.lr, max_grad_norm=job.train.max_grad_norm, world_size=dist.world_size
     )
-    model = build_policy_model(job, ds_config, tokenizer)
+    model = strategy.policy_module(build_policy_model(job, ds_config, tokenizer), tokenizer)
     # DeepSpeed steps the schedule once per optimizer update; an online step (one rollout) makes several.
     # The policy does not step during online_ppo's critic warmup rollouts, so its schedule spans the rest.
     updates = strategy.optimizer_steps_per_step(dist.world_size)

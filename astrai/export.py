@@ -186,6 +186,14 @@ def critic_skeleton(job, tokenizer):
         return ValueModel(trunk)
 
 
+def policy_skeleton(job, model, tokenizer):
+    """The module the job's policy engine trained, from its causal LM skeleton (`Strategy.policy_module`)."""
+    from astrai.strategies import strategy_class
+
+    with torch.device("meta"):
+        return strategy_class(job.train.train_type).policy_module(model, tokenizer)
+
+
 def tied_aliases(model) -> dict[str, str]:
     """{alias: source} of the weights this model ties (e.g. lm_head.weight -> embed_tokens.weight).
     A critic has no lm_head, so nothing of it is tied."""
@@ -407,7 +415,9 @@ def publish(staging: Path, destination: Path, overwrite: bool) -> None:
         shutil.rmtree(retired)
 
 
-def write_export(model, tokenizer, destination: Path, overwrite: bool, max_shard_size: str | int, bar) -> None:
+def write_export(
+    model, tokenizer, destination: Path, overwrite: bool, max_shard_size: str | int, bar, finish=None
+) -> None:
     """Write the export into a hidden staging folder beside `destination`, then publish it by rename;
     on any failure the staging folder goes, and the destination is as it was."""
     destination.parent.mkdir(parents=True, exist_ok=True)
@@ -417,6 +427,8 @@ def write_export(model, tokenizer, destination: Path, overwrite: bool, max_shard
     try:
         with phase(bar, "writing shards"):
             write_files(model, tokenizer, staging, max_shard_size)
+            if finish is not None:  # an rm export adds reward_stats.json, measured on the written folder
+                finish(staging)
         with phase(bar, "flushing to disk"):
             publish(staging, destination, overwrite)
     except BaseException:
@@ -449,6 +461,8 @@ def export_checkpoint(
     job = load_checkpoint_job(checkpoint)
     tokenizer = load_export_tokenizer(job, checkpoint, tokenizer_dir)
     model = critic_skeleton(job, tokenizer) if part == "critic" else build_skeleton(job, tokenizer)
+    if part == "policy":  # what the policy engine trained (rm: a scalar head on the trunk)
+        model = policy_skeleton(job, model, tokenizer)
     bar = progress_bar(model, progress)
     try:
         with phase(bar, "consolidating weights"):
@@ -458,9 +472,14 @@ def export_checkpoint(
                 raise ExportError(f"cannot read the DeepSpeed weights in {checkpoint / part}: {error}") from None
         with phase(bar, f"casting to {dtype}"):
             load_weights(model, prepare_state(state, model, DTYPES[dtype]), DTYPES[dtype])
-        if part == "policy":
+        finish = None
+        if part == "policy" and job.train.train_type == "rm":  # a sequence classifier, and its reward statistics
+            from astrai.strategies.reward_model import export_classifier
+
+            model, finish = export_classifier(model, job, tokenizer)
+        elif part == "policy":
             set_generation_config(model, tokenizer, job)
-        write_export(model, tokenizer, destination, overwrite, max_shard_size, bar)
+        write_export(model, tokenizer, destination, overwrite, max_shard_size, bar, finish)
     finally:
         bar.close()
     logger.info("exported %s (%s, %s) to %s", checkpoint, part, dtype, destination)
