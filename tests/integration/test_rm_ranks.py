@@ -5,8 +5,9 @@ checkpoint does and records the reward's statistics over the training pairs; onl
 
 ONE launch runs everything (a launch costs 10-20 s of imports): a short SFT of a tiny Llama on shipped
 arithmetic chats, exported on finish; every rm job starts from that export (its trunk, its tokenizer),
-on 16 pairs made from the shipped preference pairs. Tolerances as tests/integration/test_train_ranks.py (CPU fp32: ZeRO stages
-differ in reduction order only, 1e-4 relative) and test_topology_ranks.py (another stage: 1e-5).
+on 16 pairs made from the shipped preference pairs. Tolerances as tests/integration/test_train_ranks.py
+(CPU fp32: ZeRO stages differ in reduction order only, 1e-4 relative) and test_topology_ranks.py (another
+stage: 1e-5).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ RM_JOB = """\
 output_dir: {folder}/{name}
 model: {{path: {folder}/sft_hf}}
 data: {{path: {folder}/pairs.jsonl, max_seq_len: 32}}
-train: {{train_type: rm, max_steps: 12, micro_batch_size: 4, lr: 1e-3, max_grad_norm: 1.0, lr_schedule: constant, warmup_steps: 0, seed: 7}}
+train: {{train_type: rm, max_steps: 12, micro_batch_size: 4, lr: 1e-3, max_grad_norm: 1.0, lr_schedule: constant,
+        warmup_steps: 0, seed: 7}}
 deepspeed: {{zero_stage: 2}}
 checkpoint: {{every_steps: 4}}
 runtime: {{progress_bar: false, tensorboard: false}}
