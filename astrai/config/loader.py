@@ -162,7 +162,10 @@ def _missing_folder_hint(value: str) -> str:
     if len(parts) == 2 and not value.startswith((".", "/")) and not Path(parts[0]).exists():
         return " (hub names cannot be downloaded here: give a local folder)"
     if parts and parts[-1] == "hf":
-        return " (the Hugging Face export of another job: run that job first; configs/quickstart.yaml writes runs/quickstart/hf)"
+        return (
+            " (the Hugging Face export of another job: run that job first; configs/quickstart.yaml writes "
+            "runs/quickstart/hf, configs/quickstart_rm.yaml runs/rm/hf)"
+        )
     return ""
 
 
