@@ -1,4 +1,6 @@
-"""Pair accuracy of a reward model: `python scripts/tools/reward_accuracy.py runs/rm/hf data/arithmetic/reward_pairs_heldout.jsonl`.
+"""Pair accuracy of a reward model on a pairs file:
+
+    python scripts/tools/reward_accuracy.py runs/rm/hf data/arithmetic/reward_pairs_heldout.jsonl
 
 Scores every pair's chosen and rejected answer with the folder exactly as online_ppo's `reward.model_path`
 does (astrai.rollout.rewards.ModelReward: the folder's own tokenizer and chat template, fp32) and prints one
