@@ -137,7 +137,7 @@ class RewardModelStrategy(Strategy):
 
 
 @torch.no_grad()
-def training_reward_statistics(job, classifier, tokenizer, batch_size: int = 16) -> tuple[float, float, int]:
+def training_reward_statistics(job, classifier, tokenizer, batch_size: int = 64) -> tuple[float, float, int]:
     """(mean, std, pairs): the reward of every chosen and rejected sequence of the job's training pairs, rendered
     as training rendered them and scored by `classifier` (a float32 transformers sequence classifier)."""
     import tempfile
