@@ -210,6 +210,11 @@ def test_margins_come_from_the_margin_field_and_a_missing_one_is_named(tmp_path)
     strategy = RewardModelStrategy(rm_job(path, rm={"margin_field": "strength"}), tiny_tokenizer())
     with pytest.raises(DataError, match=r"bad.jsonl.*row 2.*rm.margin_field 'strength' must be a finite number"):
         strategy.prepare_data(load_rows(str(path), "auto", tmp_path / "cache"))
+    skipping = rm_job(path, rm={"margin_field": "strength"}, data={"on_bad_row": "skip"})
+    dataset, skipped = RewardModelStrategy(skipping, tiny_tokenizer()).prepare_data(
+        load_rows(str(path), "auto", tmp_path / "cache2", skip_bad=True)
+    )
+    assert skipped == 1 and dataset["margin"] == [0.0, 2.0]
 
 
 def test_the_loss_of_a_micro_batch_is_the_bradley_terry_sum_over_the_normalizer(tmp_path):
