@@ -62,7 +62,7 @@ def _launch(argv: list[str]) -> int:
 
 
 def _convert(argv: list[str]) -> int:
-    from astrai.topology import convert_main
+    from astrai.resume.topology import convert_main
 
     return convert_main(argv)
 

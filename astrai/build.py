@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
@@ -25,7 +24,7 @@ from astrai.engine import (
     resolve_precision,
     zero3_loading,
 )
-from astrai.models.checkpoint_weights import load_checkpoint_weights
+from astrai.init_from_checkpoint import load_checkpoint_weights
 from astrai.models.policy import build_policy
 from astrai.models.tokenizer import (
     TOKENIZER_DIR,
@@ -38,27 +37,10 @@ from astrai.models.tokenizer import (
     set_pad_token,
 )
 from astrai.models.value import build_value_model
+from astrai.run import DataStream, Run
 from astrai.strategies import Strategy, strategy_class
 
 logger = logging.getLogger("astrai.build")
-
-
-@dataclass
-class Run:
-    job: JobConfig
-    dist: DistInfo
-    output_dir: Path
-    tokenizer: object
-    strategy: Strategy
-    dataset: datasets.Dataset
-    order: ShardedOrder
-    total_steps: int
-    engines: dict[str, Engine]
-    skipped_rows: int
-
-    @property
-    def samples_per_step(self) -> int:
-        return self.job.train.micro_batch_size * self.job.train.grad_accum_steps * self.dist.world_size
 
 
 def make_tokenizer(job: JobConfig, rows, output_dir: Path, is_main: bool):
@@ -202,9 +184,9 @@ def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
     dataset, skipped = prepare_dataset(strategy, rows, dist.is_main)
     if skipped:
         logger.warning("skipped %d malformed rows (data.on_bad_row: skip)", skipped)
-    order = ShardedOrder(
-        len(dataset), job.train.micro_batch_size, dist.world_size, dist.rank, job.train.seed, job.data.shuffle
-    )
+    # The run's one data order: what one draw takes per rank is the strategy's (a micro-batch, or a step's prompts).
+    per_draw = strategy.rows_per_draw(dist.world_size)
+    order = ShardedOrder(len(dataset), per_draw, dist.world_size, dist.rank, job.train.seed, job.data.shuffle)
     steps = total_steps(
         job, order.samples_per_epoch, job.train.micro_batch_size * job.train.grad_accum_steps * dist.world_size
     )
@@ -234,6 +216,6 @@ def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
         sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()) / 1e6,
         torch.get_num_threads(),
     )
-    run = Run(job, dist, output_dir, tokenizer, strategy, dataset, order, steps, engines, skipped)
+    run = Run(job, dist, output_dir, tokenizer, strategy, DataStream(dataset, order), steps, engines, skipped)
     strategy.setup(run)
     return run

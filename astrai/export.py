@@ -24,11 +24,11 @@ import logging
 import os
 import shutil
 import sys
-import uuid
 from pathlib import Path
 
 import torch
 
+from astrai import safe_write
 from astrai.errors import AstraiError
 
 logger = logging.getLogger("astrai.export")
@@ -175,7 +175,8 @@ def critic_skeleton(job, tokenizer):
         trunk = trunk_of(build_skeleton(job, tokenizer))
     elif not Path(job.critic.path).is_dir():
         raise ExportError(
-            f"critic.path {job.critic.path!r} of the job is not a folder here: its config.json gives the critic's architecture"
+            f"critic.path {job.critic.path!r} of the job is not a folder here: its config.json gives the critic's "
+            "architecture"
         )
     else:
         with torch.device("meta"):
@@ -238,7 +239,7 @@ def prepare_state(state: dict[str, torch.Tensor], model, dtype: torch.dtype) -> 
 def part_weights(folder: Path) -> dict[str, torch.Tensor]:
     """Full fp32 weights of one part: a portable form's fp32.safetensors as is (`python -m astrai
     convert`, or a resume on another topology), else DeepSpeed's own consolidation of its shards."""
-    from astrai.portable import INFO_FILE
+    from astrai.resume.portable import INFO_FILE
 
     if (folder / INFO_FILE).is_file():
         from safetensors.torch import load_file
@@ -317,17 +318,12 @@ def fsync_tree(folder: Path) -> None:
     for directory, _, names in os.walk(folder):
         for name in names:
             os.chmod(Path(directory) / name, 0o666 & ~umask)
-            fsync_path(Path(directory) / name)
-        fsync_path(Path(directory))
+    safe_write.fsync_tree(folder)
 
 
 def fsync_path(path: Path) -> None:
     """A file's or a directory's data and entry on stable storage."""
-    descriptor = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if path.is_dir() else 0))
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+    safe_write.fsync_path(path)
 
 
 RUN_FOLDER_MARKERS = ("checkpoints", "metrics.jsonl", "job.yaml")  # what a training run writes into its output_dir
@@ -381,7 +377,7 @@ def checkpoint_below(folder: Path) -> Path | None:
 
 def remove_stale_staging(destination: Path) -> None:
     """Staging folders of crashed exports to the same destination: never loadable, only disk space."""
-    for stale in destination.parent.glob(f".{destination.name}.staging-*"):
+    for stale in safe_write.stale_staging(destination):
         logger.warning("removing %s, left by an interrupted export", stale)
         shutil.rmtree(stale, ignore_errors=True)
 
@@ -397,22 +393,7 @@ def publish(staging: Path, destination: Path, overwrite: bool) -> None:
     the destination name always holds one complete export (or, for an instant, none)."""
     check_destination(destination, overwrite)  # again: another process may have written meanwhile
     fsync_tree(staging)
-    retired = None
-    if destination.is_dir():
-        if any(destination.iterdir()):
-            retired = destination.with_name(f".{destination.name}.retired-{uuid.uuid4().hex}")
-            os.rename(destination, retired)
-        else:
-            destination.rmdir()
-    try:
-        os.rename(staging, destination)
-    except BaseException:
-        if retired is not None:  # put the earlier export back rather than leave no destination
-            os.rename(retired, destination)
-        raise
-    fsync_path(destination.parent)
-    if retired is not None:
-        shutil.rmtree(retired)
+    safe_write.swap_in(staging, destination)
 
 
 def write_export(
@@ -422,18 +403,13 @@ def write_export(
     on any failure the staging folder goes, and the destination is as it was."""
     destination.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_staging(destination)
-    staging = destination.with_name(f".{destination.name}.staging-{uuid.uuid4().hex}")
-    staging.mkdir()
-    try:
+    with safe_write.staging_folder(destination) as staging:
         with phase(bar, "writing shards"):
             write_files(model, tokenizer, staging, max_shard_size)
             if finish is not None:  # an rm export adds reward_stats.json, measured on the written folder
                 finish(staging)
         with phase(bar, "flushing to disk"):
             publish(staging, destination, overwrite)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 # ----------------------------------------------------------------------------- entry points

@@ -54,6 +54,7 @@ from typing import Any
 from astrai.config import ConfigError
 from astrai.preflight import LAUNCHER_VARIABLE, render_environment
 from astrai.run_lock import in_use_message, live_holder
+from astrai.safe_write import write_file_atomic
 
 ASTRAI_FOLDER = Path(__file__).resolve().parent
 HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")  # DeepSpeed's own hostfile grammar (runner._parse_hostfile)
@@ -178,13 +179,15 @@ def nodes_of(job, config_path: str | Path) -> list[Node]:
             raise LaunchError(f"{node.where}: host {node.host} is listed twice (also at {seen[node.host].where})")
         if infra.gpus_per_node is not None and node.slots > infra.gpus_per_node:
             raise LaunchError(
-                f"{node.where}: {node.host} has slots={node.slots}, more ranks than infra.gpus_per_node={infra.gpus_per_node} devices"
+                f"{node.where}: {node.host} has slots={node.slots}, more ranks than "
+                f"infra.gpus_per_node={infra.gpus_per_node} devices"
             )
         seen[node.host] = node
     if infra.launcher == "slurm" and len({node.slots for node in nodes}) > 1:
         counts = ", ".join(f"{node.host}={node.slots}" for node in nodes)
         raise LaunchError(
-            f"{config_path}: infra.launcher slurm starts the same number of ranks on every node (srun -n), but slots differ: {counts}"
+            f"{config_path}: infra.launcher slurm starts the same number of ranks on every node (srun -n), but slots "
+            f"differ: {counts}"
         )
     return nodes
 
@@ -210,7 +213,8 @@ def check_reachable(nodes: list[Node], master_addr: str, master_where: str) -> N
     remote = [node.host for node in nodes if not is_loopback(node.host)]
     if is_loopback(master_addr) and remote:
         raise LaunchError(
-            f"{master_where}: {master_addr} is a loopback address, which {', '.join(remote)} cannot reach; give node 0's network address"
+            f"{master_where}: {master_addr} is a loopback address, which {', '.join(remote)} cannot reach; give node "
+            "0's network address"
         )
 
 
@@ -226,13 +230,15 @@ def check_environment(environment: Mapping[str, Any], launcher: str) -> tuple[di
             raise LaunchError(f"{where}: set for each rank by the launcher; {PER_RANK_VARIABLES[key]}")
         if "\n" in value or "\r" in value:
             raise LaunchError(
-                f"{where}: a value of several lines cannot go through DeepSpeed's environment file (one KEY=value a line)"
+                f"{where}: a value of several lines cannot go through DeepSpeed's environment file (one KEY=value a "
+                "line)"
             )
         if value != value.strip():
             raise LaunchError(f"{where}: {value!r} starts or ends with white space, which DeepSpeed's launcher strips")
         if SHELL_ACTIVE & set(value):
             raise LaunchError(
-                f"{where}: {value!r} holds one of \" $ ` \\, which the nodes' shell expands inside the quotes DeepSpeed adds"
+                f"{where}: {value!r} holds one of \" $ ` \\, which the nodes' shell expands inside the quotes "
+                "DeepSpeed adds"
             )
         if launcher == "slurm" and "," in value:
             raise LaunchError(
@@ -244,8 +250,9 @@ def check_environment(environment: Mapping[str, Any], launcher: str) -> tuple[di
             )
         if launcher in ("openmpi", "slurm") and NEEDS_QUOTES.search(value):
             warnings.append(
-                f"{where}: DeepSpeed hands {value!r} to {launcher} inside double quotes, which reach the ranks as part of the "
-                "value; astrai/train.py exports the exact value again at start, so only programs that read it earlier see them"
+                f"{where}: DeepSpeed hands {value!r} to {launcher} inside double quotes, which reach the ranks as "
+                "part of the value; astrai/train.py exports the exact value again at start, so only programs that "
+                "read it earlier see them"
             )
     return values, warnings
 
@@ -314,7 +321,8 @@ def plan_launch(
     if infra.launcher == "no_ssh":
         if node_rank is None:
             raise LaunchError(
-                f"infra.launcher no_ssh: give --node-rank K and run the same launch on every node (K = 0 .. {len(nodes) - 1}, 0 on {nodes[0].host})"
+                "infra.launcher no_ssh: give --node-rank K and run the same launch on every node (K = 0 .. "
+                f"{len(nodes) - 1}, 0 on {nodes[0].host})"
             )
         if not 0 <= node_rank < len(nodes):
             raise LaunchError(f"--node-rank {node_rank}: the job has {len(nodes)} nodes (0 .. {len(nodes) - 1})")
@@ -355,7 +363,8 @@ def require_programs(launcher: str) -> None:
     missing = [program for program in LAUNCHER_PROGRAMS[launcher] if shutil.which(program) is None]
     if missing:
         raise LaunchError(
-            f"infra.launcher {launcher}: {', '.join(missing)} not found on this machine (DeepSpeed runs it to reach the nodes)"
+            f"infra.launcher {launcher}: {', '.join(missing)} not found on this machine (DeepSpeed runs it to reach "
+            "the nodes)"
         )
     if shutil.which(deepspeed_program()) is None:
         raise LaunchError("the `deepspeed` launcher is not installed in this Python environment")
@@ -395,9 +404,7 @@ def write_launch_files(plan: LaunchPlan) -> None:
     """Atomically: with no_ssh every node writes the same files, maybe into one shared folder at once."""
     plan.hostfile.parent.mkdir(parents=True, exist_ok=True)
     for path, text in ((plan.hostfile, plan.hostfile_text), (plan.env_file, plan.env_file_text)):
-        temporary = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.tmp")
-        temporary.write_text(text)
-        os.replace(temporary, path)
+        write_file_atomic(path, text)
 
 
 def run(plan: LaunchPlan) -> int:
@@ -447,7 +454,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def launch_main(argv: list[str] | None = None) -> int:
-    """Exit status: the launcher's (0 when every rank succeeded); 2 when the job or host list is wrong; 1 when output_dir is in use."""
+    """Exit status: the launcher's (0 when every rank succeeded); 2 when the job or host list is wrong;
+    1 when output_dir is in use."""
     args = parse_args(argv)
     from astrai.job_checks import load_and_check  # the very checks every rank runs on the job file
 
@@ -474,7 +482,8 @@ def launch_main(argv: list[str] | None = None) -> int:
         print(f"astrai launch: warning: {warning}", file=sys.stderr)
     ranks = sum(node.slots for node in plan.nodes)
     print(
-        f"astrai launch: {len(plan.nodes)} nodes, {ranks} ranks; {plan.hostfile}; {plan.env_file} ({len(plan.env_file_values)} variables)",
+        f"astrai launch: {len(plan.nodes)} nodes, {ranks} ranks; {plan.hostfile}; {plan.env_file} "
+        f"({len(plan.env_file_values)} variables)",
         file=sys.stderr,
     )
     if args.dry_run:

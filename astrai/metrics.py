@@ -12,6 +12,8 @@ import math
 import os
 from pathlib import Path
 
+from astrai.safe_write import write_file_atomic
+
 logger = logging.getLogger("astrai.metrics")
 
 METRICS_FILE = "metrics.jsonl"
@@ -32,12 +34,7 @@ def trim_metrics(path: Path, last_step: int) -> int:
             kept.append(line)
         else:
             dropped += 1
-    temporary = path.with_name(path.name + ".trim")
-    with open(temporary, "w") as handle:
-        handle.write("".join(line + "\n" for line in kept))
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    write_file_atomic(path, "".join(line + "\n" for line in kept))
     return dropped
 
 

@@ -8,9 +8,9 @@ Every rank, in astrai/train.py:
     preflight_check(job, dist, write_rank_report(job, dist))   # ONE all_gather_object; PreflightError
 
 The report is written before the rendezvous and again before the first collective, so it exists even
-when either hangs: it is the first thing to read when a multi-node job misbehaves. The check gathers every rank's report and
-every rank reaches the same verdict from the same data, so a mismatch (torch or deepspeed versions
-that differ between nodes, a node with fewer GPUs than `infra.gpus_per_node`) stops all ranks at once
+when either hangs: it is the first thing to read when a multi-node job misbehaves. The check gathers
+every rank's report and every rank reaches the same verdict from the same data, so a mismatch (torch or
+deepspeed versions that differ between nodes, a node with fewer GPUs than `infra.gpus_per_node`) stops all ranks at once
 instead of leaving some waiting in a collective.
 
 `deepspeed astrai/preflight.py --config job.yaml` runs only these steps: it is what
@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from astrai.errors import AstraiError
+from astrai.safe_write import write_file_atomic
 
 logger = logging.getLogger("astrai.preflight")
 
@@ -102,9 +103,9 @@ def _warn_if_no_device_for(environ: Mapping[str, str]) -> None:
     local_rank = int(environ.get("LOCAL_RANK", "0") or 0)
     if torch.cuda.is_available() and local_rank >= torch.cuda.device_count():
         print(
-            f"astrai: host {socket.gethostname()}: local rank {local_rank} but only {torch.cuda.device_count()} CUDA devices "
-            f"are visible (CUDA_VISIBLE_DEVICES={environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): the host list gives this "
-            "node more slots than it has GPUs",
+            f"astrai: host {socket.gethostname()}: local rank {local_rank} but only {torch.cuda.device_count()} CUDA "
+            f"devices are visible (CUDA_VISIBLE_DEVICES={environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}): the host "
+            "list gives this node more slots than it has GPUs",
             file=sys.stderr,
         )
 
@@ -256,9 +257,7 @@ def write_rank_report(job, dist=None) -> dict[str, Any]:
 
 
 def _write_json(path: Path, value: Any) -> None:
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(value, indent=2, sort_keys=True) + "\n")
-    os.replace(temporary, path)
+    write_file_atomic(path, json.dumps(value, indent=2, sort_keys=True) + "\n")
 
 
 def _node_key(facts: Mapping[str, Any]) -> tuple:
@@ -330,7 +329,8 @@ def find_problems(
     for node in summary["nodes"]:
         if gpus_per_node is not None and node["node_devices"] < gpus_per_node:
             problems.append(
-                f"node {node['node_rank']} ({node['host']}) has {node['node_devices']} GPUs, infra.gpus_per_node says {gpus_per_node}"
+                f"node {node['node_rank']} ({node['host']}) has {node['node_devices']} GPUs, infra.gpus_per_node says "
+                f"{gpus_per_node}"
             )
     places: dict[tuple, list[int]] = {}
     for facts in everyone:
@@ -339,7 +339,8 @@ def find_problems(
     for (node, local_rank), ranks in places.items():
         if len(ranks) > 1:
             problems.append(
-                f"ranks {rank_ranges(ranks)} all claim local rank {local_rank} of {node}: the launchers of the nodes disagree"
+                f"ranks {rank_ranges(ranks)} all claim local rank {local_rank} of {node}: the launchers of the nodes "
+                "disagree"
             )
     return problems
 
@@ -357,7 +358,8 @@ def describe(summary: Mapping[str, Any]) -> list[str]:
     ]
     for node in nodes:
         lines.append(
-            f"node {node['node_rank']} {node['host']}: ranks {rank_ranges(node['ranks'])} on {', '.join(node['device_kinds'])}; {node['node_devices']} GPUs on the node"
+            f"node {node['node_rank']} {node['host']}: ranks {rank_ranges(node['ranks'])} on "
+            f"{', '.join(node['device_kinds'])}; {node['node_devices']} GPUs on the node"
         )
     settings = summary["communication_environment"]
     if not settings:
@@ -375,7 +377,8 @@ def describe(summary: Mapping[str, Any]) -> list[str]:
     for node in nodes:
         if node["topology"]:
             lines.append(
-                f"topology of node {node['node_rank']} {node['host']} (nvidia-smi topo -m):\n{node['topology'].rstrip()}"
+                f"topology of node {node['node_rank']} {node['host']} (nvidia-smi topo "
+                f"-m):\n{node['topology'].rstrip()}"
             )
     return lines
 
@@ -447,7 +450,8 @@ def main(argv: list[str] | None = None) -> int:
         lock.release()
     if dist.is_main:
         print(
-            f"preflight ok: {summary['world_size']} ranks on {len(summary['nodes'])} nodes; reports in {ranks_folder(job)}"
+            f"preflight ok: {summary['world_size']} ranks on {len(summary['nodes'])} nodes; reports in "
+            f"{ranks_folder(job)}"
         )
     return 0
 

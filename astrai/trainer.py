@@ -18,12 +18,12 @@ from collections import defaultdict
 
 import torch
 
-from astrai.build import Run
-from astrai.checkpointing import TrainerState, TrainingCheckpoints
 from astrai.engine import Engine, all_reduce_sum, all_reduce_sums
 from astrai.errors import AstraiError
 from astrai.metrics import MetricsLog
-from astrai.rollout import rollout_metrics
+from astrai.resume.checkpointing import TrainerState, TrainingCheckpoints
+from astrai.run import Run
+from astrai.step_metrics import offline_record, online_record
 
 logger = logging.getLogger("astrai.trainer")
 
@@ -148,32 +148,28 @@ def train_offline(run: Run) -> TrainerState:
         tensorboard=job.runtime.tensorboard,
         progress_bar=job.runtime.progress_bar,
     )
-    batches = run.order.micro_batches(state.consumed_samples)
+    batches = run.data.batches()  # from the resumed position; each draw advances it
     run_started = time.perf_counter() - state.elapsed_s
     policy.train()
     try:
         for step in range(state.step + 1, run.total_steps + 1):
             step_started = time.perf_counter()
-            micro_batches = [strategy.collate([run.dataset[i] for i in next(batches)]) for _ in range(accumulation)]
+            micro_batches = [strategy.collate(next(batches)) for _ in range(accumulation)]
             lr = policy.lr
             sums = offline_update(run, micro_batches)
             state.step, state.policy_version = step, step
-            state.consumed_samples += run.samples_per_step
-            state.epoch = run.order.epoch_of(state.consumed_samples)
             totals = _global_sums(sums, run.dist.device)
             step_seconds = time.perf_counter() - step_started
             state.elapsed_s = time.perf_counter() - run_started
-            weight = max(totals.pop("weight", 1.0), 1.0)
-            tokens = totals.pop("tokens")
-            record = {key: value / weight for key, value in totals.items()}
+            record, tokens = offline_record(totals)
             record.update(
                 lr=lr,
                 grad_norm=policy.grad_norm,
                 tokens=int(tokens),
                 tokens_per_s=tokens / step_seconds,
                 elapsed_s=state.elapsed_s,
-                epoch=state.epoch,
-                samples=state.consumed_samples,
+                epoch=run.data.epoch,
+                samples=run.data.consumed_samples,
             )
             _add_skipped(record, run, policy)
             _close_step(run, state, record, metrics, checkpoints)
@@ -189,27 +185,10 @@ def _add_skipped(record: dict, run: Run, policy: Engine) -> None:
         record["skipped_steps"] = policy.skipped_steps
 
 
-PER_LOSS_UNIT = (
-    "loss",
-    "policy_loss",
-    "value_loss",
-)  # divided by the loss units (`weight`); other training sums by tokens
-
-
-def _online_record(totals: dict[str, float]) -> dict[str, float]:
-    """Global sums -> metrics: losses per loss unit (`weight`: tokens or responses), every other
-    training sum (kl, clip_frac, approx_kl, entropy, value_clip_frac) per response token, plus the
-    rollout's own metrics (rewards, lengths; online_ppo's pinned targets and explained variance)."""
-    training = {key: value for key, value in totals.items() if not key.startswith("rollout/")}
-    weight, tokens = max(training.pop("weight", 1.0), 1.0), max(training.pop("tokens", 1.0), 1.0)
-    record = {key: value / (weight if key in PER_LOSS_UNIT else tokens) for key, value in training.items()}
-    record.update(rollout_metrics(totals))
-    return record
-
-
 def train_online(run: Run) -> TrainerState:
     job, strategy, policy = run.job, run.strategy, run.engines["policy"]
-    critic = run.engines.get("critic")  # online_ppo's value model: its own engine, optimizer and clipping
+    # Every engine the strategy declares (online_ppo adds a critic: its own optimizer and clipping), by name.
+    parts = {part: run.engines[part] for part in strategy.engine_parts}
     accumulation, world, device = job.train.grad_accum_steps, run.dist.world_size, run.dist.device
     checkpoints = TrainingCheckpoints(run)
     state = checkpoints.resume()  # restores the engines, the policy version and the prompt position
@@ -222,7 +201,7 @@ def train_online(run: Run) -> TrainerState:
         tensorboard=job.runtime.tensorboard,
         progress_bar=job.runtime.progress_bar,
     )
-    prompt_batches = strategy.prompt_batches(state.consumed_samples)
+    prompt_batches = run.data.batches()  # from the resumed position; every prompt drawn (all rounds) advances it
     run_started = time.perf_counter() - state.elapsed_s
     for engine in run.engines.values():
         engine.train()
@@ -237,27 +216,22 @@ def train_online(run: Run) -> TrainerState:
             targets = strategy.frozen_targets(rollout)
             rollout_seconds = time.perf_counter() - rollout_started
             # 3. Replay: each minibatch is one optimizer step of `accumulation` micro-batches per rank, for
-            # the policy (unless a critic warmup step) and the critic alike. Only policy steps count as versions.
+            # every engine part the strategy trains this step (not the policy in a critic warmup step). Only policy
+            # steps count as versions.
             train_started = time.perf_counter()
-            trains_policy = strategy.trains_policy(step)
-            lr, critic_lr, sums = policy.lr, critic.lr if critic is not None else None, defaultdict(float)
+            training = {part: engine for part, engine in parts.items() if strategy.trains_part(part, step)}
+            lrs, sums = {part: engine.lr for part, engine in parts.items()}, defaultdict(float)
             for epoch in range(job.rl.epochs_per_rollout):
                 for micro_batches in strategy.minibatches(targets, step=step, epoch=epoch):
                     # As offline: one divisor for every micro-batch and rank of the optimizer step, so the
                     # update is the mean over the minibatch's loss units whatever the split.
                     weights = [strategy.loss_weight(batch) for batch in micro_batches]
                     normalizer = max(all_reduce_sum(sum(weights), device), 1.0) / (world * accumulation)
-                    nonfinite, applied = {"policy": False, "critic": False}, {"policy": False}
-                    parts = (
-                        ("policy", policy, strategy.compute_loss),
-                        ("critic", critic, strategy.compute_critic_loss),
-                    )
+                    nonfinite, applied = dict.fromkeys(training, False), {"policy": False}
                     for index, (batch, weight) in enumerate(zip(micro_batches, weights)):
                         last = index == len(micro_batches) - 1
-                        for part, engine, compute in parts:
-                            if engine is None or (part == "policy" and not trains_policy):
-                                continue
-                            output = compute(engine, batch, normalizer)
+                        for part, engine in training.items():
+                            output = strategy.part_loss(part, engine, batch, normalizer)
                             nonfinite[part] |= not is_finite(output.loss)
                             engine.backward(output.loss)
                             if last:
@@ -272,24 +246,25 @@ def train_online(run: Run) -> TrainerState:
             train_seconds = time.perf_counter() - train_started
             # 4. Metrics and checkpoint.
             state.step = step
-            state.consumed_samples += sample.prompts_drawn  # every prompt drawn, all ranks: a resume continues there
-            state.epoch = strategy.prompt_epoch(state.consumed_samples)
             state.elapsed_s = time.perf_counter() - run_started
             state.strategy = strategy.state_dict()
-            record = _online_record(_global_sums({**sums, **rollout.metric_sums()}, device))
+            record = online_record(_global_sums({**sums, **rollout.metric_sums(), **targets.metric_sums()}, device))
             record.update(sample.metrics)  # already global: dynamic sampling's rounds and groups
             record.update(
-                lr=lr,
+                lr=lrs["policy"],
                 grad_norm=policy.grad_norm,
                 rollout_s=rollout_seconds,
                 train_s=train_seconds,
                 policy_version=state.policy_version,
                 elapsed_s=state.elapsed_s,
-                epoch=state.epoch,
-                samples=state.consumed_samples,
+                epoch=run.data.epoch,
+                samples=run.data.consumed_samples,
             )
-            if critic is not None:
-                record.update(policy_grad_norm=policy.grad_norm, critic_grad_norm=critic.grad_norm, critic_lr=critic_lr)
+            if len(parts) > 1:  # each engine's own norm (`critic_grad_norm`, ...) and every other engine's LR
+                for part, engine in parts.items():
+                    record[f"{part}_grad_norm"] = engine.grad_norm
+                    if part != "policy":
+                        record[f"{part}_lr"] = lrs[part]
             _add_skipped(record, run, policy)
             _close_step(run, state, record, metrics, checkpoints)
     finally:

@@ -17,8 +17,8 @@ takes one optimizer step so the optimizer state exists, then repeats, in rotatin
                  fsynced and read back to be hashed): how every save ran before StreamedFiles
     publish_xxh3 `publish` with checkpoint.hash: xxh3_128
     publish_async CheckpointPublisher.publish_async (checkpoint.async_save: true), sha256: the time
-                 training is blocked (staging + shards, streamed without hashing); then --overlap-steps optimizer steps run
-                 while hashing, fsync, manifest and rename go on in the background thread, timed
+                 training is blocked (staging + shards, streamed without hashing); then --overlap-steps
+                 optimizer steps run while hashing, fsync, manifest and rename go on in the background thread, timed
                  against the steps just before it, with no save in flight; then wait().
                  Also recorded: the background save's own time to durable (its report's seconds)
     disk         both ranks write as many bytes as their checkpoint shards at once, then fsync
@@ -174,6 +174,24 @@ def worker(plan: dict) -> int:
         dist.all_reduce(tensor)
         return float(tensor.item())
 
+    # Engine, batch and stream are arguments, not loop names closed over: a closure reads the name when called
+    # (late binding), and `del engine` at the end of each case unbinds it.
+    def train_steps(engine, ids: torch.Tensor, count: int) -> float:
+        begun = time.perf_counter()
+        for _ in range(count):
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+        return time.perf_counter() - begun
+
+    def policy_writer(engine, streamed: StreamedFiles | None, write_seconds: dict):
+        def write(staging: Path):
+            begun = time.perf_counter()
+            engine.save(staging / "policy", open_file=streamed.open if streamed else None)
+            write_seconds["value"] = time.perf_counter() - begun
+            return streamed.digests_under(staging) if streamed else None
+
+        return write
+
     results = []
     for stage in plan["stages"]:
         for size in plan["sizes"]:
@@ -193,15 +211,7 @@ def worker(plan: dict) -> int:
             )
             engine = make_engine(build_model(init, 0), config, weight_decay=0.0, schedule=lambda _: 1.0)
             ids = torch.randint(0, init["vocab_size"], (2, 64))
-
-            def train_steps(count: int) -> float:
-                begun = time.perf_counter()
-                for _ in range(count):
-                    engine.backward(engine(input_ids=ids, labels=ids).loss)
-                    engine.step()
-                return time.perf_counter() - begun
-
-            train_steps(1)
+            train_steps(engine, ids, 1)
             case = root / f"z{stage}_{size}"
             publishers = {
                 "publish": CheckpointPublisher(case / "published", parts=["policy"], hash_algorithm="sha256"),
@@ -227,7 +237,7 @@ def worker(plan: dict) -> int:
                     # Every save follows the same training steps, as in a run: a save straight after another
                     # reuses its just-freed memory and runs up to 4x faster on this VM (its balloon takes back
                     # memory left idle for a second or two). For publish_async these are the steps' own pace.
-                    overlap["steps_before_s"] = slowest(train_steps(plan["overlap_steps"]))
+                    overlap["steps_before_s"] = slowest(train_steps(engine, ids, plan["overlap_steps"]))
                     dist.barrier()
                     started = time.perf_counter()
                     if method in ("plain", "plain+fsync"):
@@ -236,19 +246,13 @@ def worker(plan: dict) -> int:
                             dist.barrier()  # every rank's files exist before they are shared out for fsync
                             _fsync_share(target, rank, world)
                     elif method.startswith("publish"):
-                        # As astrai.checkpointing writes: streamed, hashed on the way out unless the save is async.
+                        # As astrai.resume.checkpointing writes: streamed, hashed on the way out unless async.
                         streamed = (
                             None
                             if method == "publish_reread"
                             else StreamedFiles(None if method == "publish_async" else publishers[method].hash_algorithm)
                         )
-
-                        def write(staging: Path):
-                            begun = time.perf_counter()
-                            engine.save(staging / "policy", open_file=streamed.open if streamed else None)
-                            write_seconds["value"] = time.perf_counter() - begun
-                            return streamed.digests_under(staging) if streamed else None
-
+                        write = policy_writer(engine, streamed, write_seconds)
                         if method == "publish_async":
                             publishers[method].publish_async(repeat + 1, write)
                         else:
@@ -259,7 +263,7 @@ def worker(plan: dict) -> int:
                     seconds = time.perf_counter() - started
                     if method == "publish_async":
                         pending = publishers[method].pending_step is not None
-                        overlapped_s = train_steps(plan["overlap_steps"])
+                        overlapped_s = train_steps(engine, ids, plan["overlap_steps"])
                         report = publishers[method].wait()
                         overlap.update(
                             pending=total(float(pending)),
@@ -418,16 +422,18 @@ def render_markdown(payload: dict) -> str:
         + ", ".join(f"{name} {fmt(value)} GB/s" for name, value in hashing.items())
         + ".",
         "",
-        "Ratios of times, each against a baseline of the same round: median [min–max]. Plain = DeepSpeed's own `save_checkpoint` of the "
-        "same engine (page cache, no fsync); target: publish <= 1.25 x plain. Publishes stream DeepSpeed's shards (hashed as written, "
-        "write-out started every 16 MiB) as the trainer does; `not streamed` is the earlier way (written, then fsynced and read back).",
+        "Ratios of times, each against a baseline of the same round: median [min–max]. Plain = DeepSpeed's own "
+        "`save_checkpoint` of the same engine (page cache, no fsync); target: publish <= 1.25 x plain. Publishes "
+        "stream DeepSpeed's shards (hashed as written, write-out started every 16 MiB) as the trainer does; `not "
+        "streamed` is the earlier way (written, then fsynced and read back).",
         "",
     ]
     rows = []
     for case in payload["cases"]:
         rows.append(
             [
-                f"ZeRO-{case['stage']} {case['size']} ({case['parameters'] / 1e6:.1f}M params, {case['bytes'] / 2**20:.0f} MiB)",
+                f"ZeRO-{case['stage']} {case['size']} ({case['parameters'] / 1e6:.1f}M params, "
+                f"{case['bytes'] / 2**20:.0f} MiB)",
                 fmt_summary(case["plain"], 2),
                 fmt_summary(case["plain+fsync/plain"]),
                 fmt_summary(case["publish/plain"]),
@@ -475,7 +481,8 @@ def render_markdown(payload: dict) -> str:
                 f"ZeRO-{case['stage']} {case['size']}",
                 fmt_summary(case["publish/plain"]),
                 fmt_summary(case["publish_async/plain"]),
-                f"{fmt(case['publish_own_blocking_s']['median'], 3)} / {fmt(case['publish_async_own_blocking_s']['median'], 3)}",
+                f"{fmt(case['publish_own_blocking_s']['median'], 3)} / "
+                f"{fmt(case['publish_async_own_blocking_s']['median'], 3)}",
                 fmt_summary(case["publish_async_durable/plain"]),
                 fmt_summary(case["publish_async_durable/plain+fsync"]),
                 fmt_summary(case["steps_alone_s"], 2),

@@ -188,7 +188,8 @@ def main(argv=None) -> int:
         dist.destroy_process_group()
         # Plain DeepSpeed on a CPU maps a 69 MB shared-memory all-reduce segment per rank and never
         # unlinks it; the baseline keeps DeepSpeed's behaviour but not the leak (AstrAI skips the op).
-        segment = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ['MASTER_ADDR']}_{os.environ['MASTER_PORT']}_{rank}"
+        address, port = os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+        segment = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{address}_{port}_{rank}"
         if os.path.exists(segment):
             os.remove(segment)
     return 0

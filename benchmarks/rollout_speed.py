@@ -209,7 +209,8 @@ RATIOS = [
     (
         "astrai_rollout",
         "generate",
-        "AstrAI rollout (sampling + behaviour log-probs; the default, auto: sampler in fp32) vs generate with KV cache (target >= 1.0)",
+        "AstrAI rollout (sampling + behaviour log-probs; the default, auto: sampler in fp32) vs generate with KV "
+        "cache (target >= 1.0)",
     ),
     (
         "astrai_rollout_recompute",
@@ -242,7 +243,8 @@ RATIOS = [
     (
         "zero3_astrai_copy",
         "zero3_gather_per_forward",
-        "ZeRO-3, 2 ranks: AstrAI's default sampling (plain copy, filled per parameter) vs per-module gathers (target >= 1.0)",
+        "ZeRO-3, 2 ranks: AstrAI's default sampling (plain copy, filled per parameter) vs per-module gathers (target "
+        ">= 1.0)",
     ),
     (
         "zero3_astrai_copy",
@@ -318,8 +320,8 @@ def main(argv=None) -> int:
         "total_s": time.perf_counter() - started,
     }
     lines = [
-        f"### Rollout speed ({payload['parameters'] / 1e6:.1f}M-parameter Llama, {args.prompts} prompts per rank x {args.new_tokens} new tokens, "
-        f"prompt {args.prompt_len} tokens, fp32, {args.repeats} rounds)",
+        f"### Rollout speed ({payload['parameters'] / 1e6:.1f}M-parameter Llama, {args.prompts} prompts per rank x "
+        f"{args.new_tokens} new tokens, prompt {args.prompt_len} tokens, fp32, {args.repeats} rounds)",
         "",
         machine_line(info),
         "",

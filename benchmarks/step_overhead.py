@@ -96,12 +96,12 @@ def worker(plan: dict) -> int:
         tensorboard=job.runtime.tensorboard,
         progress_bar=False,
     )
-    batches = run.order.micro_batches(0)
+    batches = run.data.batches()
     astrai_step = {"n": 0}
 
     def astrai(log: bool) -> float:
         started = time.perf_counter()
-        micro_batches = [run.strategy.collate([run.dataset[i] for i in next(batches)])]
+        micro_batches = [run.strategy.collate(next(batches))]
         sums = offline_update(run, micro_batches)
         totals = _global_sums(sums, info.device)
         seconds = time.perf_counter() - started
@@ -283,10 +283,12 @@ def render_markdown(payload: dict) -> str:
     settings = payload["settings"]
     lines = [
         f"### Step overhead, in-process ({payload['world_size']} rank(s), ZeRO-{payload['zero_stage']}, "
-        f"{payload['threads_per_rank']} thread(s) per rank; {settings['rounds']} rounds x {settings['block']} steps per variant)",
+        f"{payload['threads_per_rank']} thread(s) per rank; {settings['rounds']} rounds x {settings['block']} steps "
+        "per variant)",
         "",
         machine_line(payload["machine"]),
-        f"Model: {payload['parameters'] / 1e6:.1f}M-parameter Llama, seq {settings['seq_len']}, micro-batch {settings['micro_batch']}.",
+        f"Model: {payload['parameters'] / 1e6:.1f}M-parameter Llama, seq {settings['seq_len']}, micro-batch "
+        f"{settings['micro_batch']}.",
         "",
         "Ratios of tokens/s, per round against the baseline's block of the same round: median [min–max].",
         "",

@@ -251,7 +251,7 @@ def run_variant(variant: str, round_index: int, work: Path, data: dict[str, Path
         steps = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
         per_step = [s["tokens_per_s"] for s in steps]
         # The progress bar appears (0/N) when the loop starts; metrics.jsonl's elapsed_s counts from there.
-        loop_start = result.first(r"train:\s+0%%.*\b0/%d\b" % args.steps)
+        loop_start = result.first(rf"train:\s+0%.*\b0/{args.steps}\b")
         first = loop_start + steps[0]["elapsed_s"] if loop_start is not None and steps else None
         last = loop_start + steps[-1]["elapsed_s"] if loop_start is not None and steps else None
         published = result.last(r"published .* in ([0-9.]+) s")
@@ -276,7 +276,7 @@ def run_variant(variant: str, round_index: int, work: Path, data: dict[str, Path
         report = json.loads(out.read_text())
         per_step = [s["tokens_per_s"] for s in report["steps"]]
         first = result.first(r"BENCH step 1$")
-        last = result.first(r"BENCH step %d$" % args.steps)
+        last = result.first(rf"BENCH step {args.steps}$")
         record.update(
             first_step_s=first, last_step_s=last, threads=report.get("threads"), setup_s=report.get("setup_s")
         )
@@ -415,11 +415,13 @@ def render_markdown(payload: dict) -> str:
     settings, summary = payload["settings"], payload["summary"]
     peak = payload["matmul_peak_gflops"]["used"]
     lines = [
-        f"### Trainer overhead ({payload['parameters'] / 1e6:.1f}M-parameter Llama, seq {settings['seq_len']}, micro-batch "
-        f"{settings['micro_batch']}, {settings['steps']} steps of which {settings['warmup']} warm-up, {settings['repeats']} rounds)",
+        f"### Trainer overhead ({payload['parameters'] / 1e6:.1f}M-parameter Llama, seq {settings['seq_len']}, "
+        f"micro-batch {settings['micro_batch']}, {settings['steps']} steps of which {settings['warmup']} warm-up, "
+        f"{settings['repeats']} rounds)",
         "",
         machine_line(payload["machine"]),
-        f"fp32 matmul peak (1024², best of the run): {peak['1']:.0f} GFLOP/s on 1 thread, {peak['all']:.0f} GFLOP/s on all cores.",
+        f"fp32 matmul peak (1024², best of the run): {peak['1']:.0f} GFLOP/s on 1 thread, {peak['all']:.0f} GFLOP/s "
+        "on all cores.",
         "",
         "Ratios of tokens/s, taken per round against the baseline of the same round: median [min–max].",
         "",

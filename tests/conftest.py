@@ -32,7 +32,8 @@ def one_rank():
 
     saved = dict(os.environ)
     yield setup_distributed(60)
-    shutdown_distributed()  # also drops DeepSpeed's clone of the world group, else the next engine uses a destroyed group
+    # also drops DeepSpeed's clone of the world group, else the next engine uses a destroyed group
+    shutdown_distributed()
     os.environ.clear()
     os.environ.update(saved)
 
@@ -95,7 +96,8 @@ def run_bounded(command: list[str], timeout: float, **options) -> subprocess.Com
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
         raise AssertionError(
-            f"{' '.join(map(str, command[:4]))} ... ran past {timeout} s and was killed:\n{stdout[-3000:]}\n{stderr[-3000:]}"
+            f"{' '.join(map(str, command[:4]))} ... ran past {timeout} s and was "
+            f"killed:\n{stdout[-3000:]}\n{stderr[-3000:]}"
         ) from None
     finally:
         if process.poll() is None:

@@ -15,11 +15,20 @@ from astrai.algos.cross_entropy import next_token_cross_entropy_sum
 from astrai.algos.dpo import DPOOutput, dpo_loss
 from astrai.algos.kl import kl_estimate, kl_k1, kl_k2, kl_k3
 from astrai.algos.logprobs import sequence_logprobs, shift_for_next_token, token_logprobs
-from astrai.algos.masked import masked_aggregate, masked_count, masked_mean, masked_sum, masked_var, masked_whiten
+from astrai.algos.masked import (
+    global_standardize,
+    masked_aggregate,
+    masked_count,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
 from astrai.algos.ppo import (
     broadcast_sequence_advantages,
     entropy_from_logits,
     explained_variance,
+    explained_variance_from_sums,
     ppo_policy_loss,
     value_loss,
 )
@@ -33,7 +42,9 @@ __all__ = [
     "dpo_loss",
     "entropy_from_logits",
     "explained_variance",
+    "explained_variance_from_sums",
     "gae",
+    "global_standardize",
     "grpo_advantages",
     "kl_estimate",
     "kl_k1",

@@ -10,8 +10,8 @@
   token rewards hold -kl_coef * k1 on every token and the score on the last one).
   REINFORCE++-baseline's advantage is `grpo_advantages(..., normalize_std=False)` whitened over the step;
   the whitening across ranks is the strategy's (it needs a collective).
-- `gae` (public name `compute_gae`): generalised advantage estimation (Schulman et al. 2016) over the response tokens, with
-  the episode ending after the last valid token (terminal: the value there is 0).
+- `gae` (public name `compute_gae`): generalised advantage estimation (Schulman et al. 2016) over the
+  response tokens, with the episode ending after the last valid token (terminal: the value there is 0).
 - `kl_shaped_rewards`: the per-token reward of RLHF PPO (Ziegler et al. 2019; Ouyang et al. 2022):
   -kl_coef * KL on every token, plus the sequence reward on the last one.
 - `AdaptiveKLController` / `FixedKLController`: Ziegler et al. 2019, section 2.2.

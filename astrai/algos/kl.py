@@ -10,7 +10,7 @@ With log_ratio = logp - ref_logp at a token x ~ pi (Schulman, "Approximating KL 
 E_{x~pi}[k1] = E_{x~pi}[k3] = KL(pi || ref) exactly; k2 is a second-order approximation.
 
 What matters for training is the gradient, and that depends on where the estimate goes
-(tests/unit/test_algos_kl_gradients.py checks each line exactly over a small categorical):
+(tests/unit/algos/test_kl_gradients.py checks each line exactly over a small categorical):
 
   placement                      gradient reaching pi, in expectation over x ~ pi
   in the reward (frozen, score   k1: grad KL(pi || ref)                        exact

@@ -13,6 +13,9 @@ Departures from common practice: `masked_var` returns 0 where fewer than two ent
 valid with `unbiased=True` (TRL raises); `masked_whiten` writes 0 at padded positions.
 """
 
+import math
+from collections.abc import Callable
+
 import torch
 
 WHITEN_EPS = 1e-8
@@ -91,6 +94,26 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     if not shift_mean:
         whitened = whitened + mean
     return torch.where(_valid(mask), whitened, torch.zeros_like(whitened))
+
+
+def global_standardize(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    sum_over_ranks: Callable[[list[float]], list[float]] | None = None,
+) -> torch.Tensor:
+    """(values - mean) / sqrt(var + 1e-8) with the mean and unbiased variance of the valid entries of
+    every rank; 0 at padding. values, mask: any one shape ([N, R] tokens or [N] responses).
+
+    sum_over_ranks: adds a list of Python numbers over every rank (one all-reduce, the caller's; this
+    module stays free of communication); None is this process alone, which is `masked_whiten`."""
+    valid = mask.bool()
+    selected = values[valid].double()
+    moments = [float(valid.sum()), float(selected.sum()), float((selected**2).sum())]
+    count, total, squares = sum_over_ranks(moments) if sum_over_ranks is not None else moments
+    mean = total / max(count, 1.0)
+    variance = max(squares - count * mean**2, 0.0) / max(count - 1.0, 1.0)
+    standardized = (values - mean) / math.sqrt(variance + WHITEN_EPS)
+    return torch.where(valid, standardized, torch.zeros_like(standardized))
 
 
 def masked_aggregate(

@@ -179,6 +179,17 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
         return torch.where(positive, 1.0 - residual_var / safe_returns_var, torch.zeros_like(returns_var))
 
 
+def explained_variance_from_sums(
+    count: float, returns: float, returns_squared: float, residuals: float, residuals_squared: float
+) -> float:
+    """`explained_variance` from sums over the valid entries (of every rank, added before this is called):
+    count, sum R, sum R^2, sum (R - V), sum (R - V)^2. Population variances, 0 when Var[R] is 0."""
+    count = max(count, 1.0)
+    returns_var = max(returns_squared / count - (returns / count) ** 2, 0.0)
+    residual_var = max(residuals_squared / count - (residuals / count) ** 2, 0.0)
+    return 1.0 - residual_var / returns_var if returns_var > 0 else 0.0
+
+
 def value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,
@@ -250,6 +261,7 @@ def broadcast_sequence_advantages(advantages: torch.Tensor, mask: torch.Tensor) 
     """
     if advantages.dim() != 1 or mask.dim() != 2 or advantages.shape[0] != mask.shape[0]:
         raise ValueError(
-            f"expected advantages [batch] and mask [batch, response_len], got {tuple(advantages.shape)}, {tuple(mask.shape)}"
+            f"expected advantages [batch] and mask [batch, response_len], got {tuple(advantages.shape)}, "
+            f"{tuple(mask.shape)}"
         )
     return _zero_padding(advantages.unsqueeze(1).expand(mask.shape), mask.bool())

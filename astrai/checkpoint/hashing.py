@@ -1,4 +1,5 @@
-"""File digests for manifests: sha256 (the job's and the publisher's default), xxh3_128 (the `xxhash` package, a dependency), blake2b.
+"""File digests for manifests: sha256 (the job's and the publisher's default), xxh3_128 (the `xxhash`
+package, a dependency), blake2b.
 
 Files are read in 8 MiB chunks into one reused buffer; hashlib (and xxhash) release the GIL
 while hashing large buffers, so a thread pool scales over files on one rank without processes.

@@ -18,7 +18,7 @@ from pathlib import Path
 
 STEP_PREFIX = "step_"
 # Folders of derived forms of a checkpoint, published as <checkpoints_dir>/<folder>/step_<N> by
-# their own tools (astrai/topology.py's portable form); retention removes them with step_<N>.
+# their own tools (astrai/resume/topology.py's portable form); retention removes them with step_<N>.
 DERIVED_DIRS = ("portable",)
 _PUBLISHED = re.compile(r"step_(\d+)")
 _HIDDEN = re.compile(r"\.step_(\d+)\.(staging|retired)-([0-9A-Za-z]+)")

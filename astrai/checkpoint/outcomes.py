@@ -54,6 +54,7 @@ def check_reported_digests(context: str, listing: Sequence[str], known: Sequence
                 )
             if path in reported_by:
                 raise CheckpointError(
-                    f"{context}: ranks {reported_by[path]} and {rank} both report writing {path!r}; nothing was published"
+                    f"{context}: ranks {reported_by[path]} and {rank} both report writing {path!r}; nothing was "
+                    "published"
                 )
             reported_by[path] = rank

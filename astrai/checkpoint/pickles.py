@@ -10,7 +10,7 @@ either (`astrai/engine/safe_load.py` resolves the same names for `torch.load(wei
 
 Torch-free and DeepSpeed-free on purpose (`python -m astrai verify` stays quick to start): the
 allow-lists are names, found by listing the globals of real ZeRO-0/1/2/3 checkpoints (fp32 and bf16)
-of DeepSpeed 0.19.8 and of `ds_to_universal`'s output (tests/unit/test_safe_load.py checks that a
+of DeepSpeed 0.19.8 and of `ds_to_universal`'s output (tests/unit/checkpoint/test_safe_load.py checks that a
 fresh save names nothing else).
 """
 

@@ -163,8 +163,8 @@ def _missing_folder_hint(value: str) -> str:
         return " (hub names cannot be downloaded here: give a local folder)"
     if parts and parts[-1] == "hf":
         return (
-            " (the Hugging Face export of another job: run that job first; configs/quickstart.yaml writes "
-            "runs/quickstart/hf, configs/quickstart_rm.yaml runs/rm/hf)"
+            " (the Hugging Face export of another job: run that job first; "
+            "configs/quickstart.yaml writes runs/quickstart/hf, configs/quickstart_rm.yaml runs/rm/hf)"
         )
     return ""
 

@@ -87,6 +87,7 @@ def render_reference() -> str:
                 "| --- | --- | --- | --- |",
             ]
         lines.append(
-            f"| `{dotted}` | `{_type_name(field.annotation)}` | {_default(field)} | {(field.description or '').replace('|', '/')} |"
+            f"| `{dotted}` | `{_type_name(field.annotation)}` | {_default(field)} | "
+            f"{(field.description or '').replace('|', '/')} |"
         )
     return "\n".join(line for line in lines) + "\n"

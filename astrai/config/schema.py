@@ -37,7 +37,8 @@ class ModelConfig(Section):
     )
     attn_implementation: str | None = Field(
         None,
-        description="Attention kernel handed to transformers (`sdpa`, `eager`, `flash_attention_2`). Env ASTR_BACKEND overrides.",
+        description="Attention kernel handed to transformers (`sdpa`, `eager`, `flash_attention_2`). Env ASTR_BACKEND "
+        "overrides.",
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     zero3_init: bool = Field(
@@ -143,7 +144,8 @@ class TrainConfig(Section):
     warmup_steps: int | None = Field(
         None,
         ge=0,
-        description="Linear warmup steps (exclusive with `warmup_ratio`). Online types count steps in rollouts, as `max_steps`.",
+        description="Linear warmup steps (exclusive with `warmup_ratio`). Online types count steps in rollouts, as "
+        "`max_steps`.",
     )
     warmup_ratio: float | None = Field(None, ge=0, le=1, description="Warmup as a fraction of the total steps.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (not applied to biases and norms).")
@@ -188,11 +190,13 @@ class DeepSpeedSection(Section):
     )
     optimizer: Literal["auto", "torch", "fused", "cpu_adam"] = Field(
         "auto",
-        description="AdamW implementation: `auto` = fused on CUDA, torch on CPU, DeepSpeedCPUAdam with optimizer offload.",
+        description="AdamW implementation: `auto` = fused on CUDA, torch on CPU, DeepSpeedCPUAdam with optimizer "
+        "offload.",
     )
     single_rank_stage0: bool = Field(
         True,
-        description="On one rank, run ZeRO-1/2 (without offload) as ZeRO-0: they partition nothing there and only cost time.",
+        description="On one rank, run ZeRO-1/2 (without offload) as ZeRO-0: they partition nothing there and only "
+        "cost time.",
     )
     overrides: dict[str, Any] = Field(
         default_factory=dict, description="Raw DeepSpeed config keys merged last (deep merge)."
@@ -214,7 +218,8 @@ class CheckpointConfig(Section):
     verify_on_load: bool = Field(False, description="Re-hash every file against the manifest before resuming.")
     hash: Literal["sha256", "blake2b", "xxh3_128"] = Field(
         "sha256",
-        description="File digest recorded in the manifest: sha256 (~1.1 GB/s a core, cryptographic; files hash in parallel threads and across ranks), or xxh3_128 (~10 GB/s a core) where hashing would show in save time.",
+        description="File digest recorded in the manifest: sha256 (~1.1 GB/s a core, cryptographic; files hash in "
+        "parallel threads and across ranks), or xxh3_128 (~10 GB/s a core) where hashing would show in save time.",
     )
     save_timeout_s: float = Field(
         600.0,
@@ -223,14 +228,18 @@ class CheckpointConfig(Section):
     )
     async_save: bool = Field(
         False,
-        description="Training goes on while a save is hashed, fsynced and published in a background thread (it blocks only while the shards are written); the next save, and the run's end, wait for it and fail on its error. The final save is always synchronous.",
+        description="Training goes on while a save is hashed, fsynced and published in a background thread (it blocks "
+        "only while the shards are written); the next save, and the run's end, wait for it and fail on its error. The "
+        "final save is always synchronous.",
     )
 
 
 class RuntimeConfig(Section):
     environment: dict[str, Any] = Field(
         default_factory=dict,
-        description="Variables exported to every rank of this job (values rendered with str(); null = empty), e.g. `{ASTR_LOG_LEVEL: DEBUG, ASTR_BACKEND: sdpa}` (the trainer's log level; the attention implementation handed to transformers: sdpa, eager, flash_attention_2). Nothing comes from the host shell unless listed here.",
+        description="Variables exported to every rank of this job (values rendered with str(); null = empty), e.g. "
+        "`{ASTR_LOG_LEVEL: DEBUG, ASTR_BACKEND: sdpa}` (the trainer's log level; the attention implementation handed "
+        "to transformers: sdpa, eager, flash_attention_2). Nothing comes from the host shell unless listed here.",
     )
     dist_timeout_s: float = Field(1800.0, gt=0, description="Timeout of every collective of the job's process groups.")
     log_level: str = Field(
@@ -240,8 +249,9 @@ class RuntimeConfig(Section):
     tensorboard: bool = Field(True, description="Write TensorBoard events when `tensorboard` is installed.")
     tune_malloc: bool = Field(
         True,
-        description="Set glibc malloc's mmap/trim thresholds on every rank so each step's buffers are kept rather than faulted in "
-        "again (1.1x tokens/s on a CPU; skipped where another allocator is preloaded or MALLOC_*_ is set; astrai/engine/host_memory.py).",
+        description="Set glibc malloc's mmap/trim thresholds on every rank so each step's buffers are kept rather "
+        "than faulted in again (1.1x tokens/s on a CPU; skipped where another allocator is preloaded or MALLOC_*_ is "
+        "set; astrai/engine/host_memory.py).",
     )
 
     @field_validator("log_level")
@@ -268,7 +278,8 @@ def known_log_level(value: str) -> str:
 class GpuConfig(Section):
     devices: Literal["all"] | list[int] = Field(
         "all",
-        description="GPUs of the host for this job: `all` (CUDA_VISIBLE_DEVICES left unset) or a list like [0, 1, 2, 3].",
+        description="GPUs of the host for this job: `all` (CUDA_VISIBLE_DEVICES left unset) or a list like [0, 1, 2, "
+        "3].",
     )
     count: int | None = Field(
         None, ge=1, description="Ranks to start on the host (default: the number of listed devices, or every GPU)."
@@ -281,7 +292,7 @@ class NodeConfig(Section):
 
 
 class InfraConfig(Section):
-    """Host side: containers, GPUs and nodes. Read by the wrappers and `python -m astrai launch`; the trainer ignores it."""
+    """Host side (containers, GPUs, nodes): read by the wrappers and `python -m astrai launch`, not the trainer."""
 
     job_name: str | None = Field(None, description="Name of the job (containers, logs).")
     data: str | None = Field(None, description="Host folder mounted read-only as the container's data folder.")
@@ -330,28 +341,29 @@ class DpoConfig(Section):
     beta: float = Field(
         0.1,
         gt=0,
-        description="`sigmoid`/`ipo`/`hinge`: strength of the implicit KL to the reference (DPO's beta); `simpo`: scale of "
-        "the average log-prob reward (SimPO's beta, paper: 2-2.5); `orpo`: weight of the odds-ratio term beside the NLL (ORPO's lambda, "
-        "TRL's default 0.1).",
+        description="`sigmoid`/`ipo`/`hinge`: strength of the implicit KL to the reference (DPO's beta); `simpo`: "
+        "scale of the average log-prob reward (SimPO's beta, paper: 2-2.5); `orpo`: weight of the odds-ratio term "
+        "beside the NLL (ORPO's lambda, TRL's default 0.1).",
     )
     loss: Literal["sigmoid", "ipo", "hinge", "simpo", "orpo"] = Field(
         "sigmoid",
-        description="`sigmoid`: DPO; `ipo`: IPO's squared loss; `hinge`: SLiC-style hinge; reference-free (no reference "
-        "model is built): `simpo`: SimPO on average token log-probs with margin `dpo.simpo_gamma`; `orpo`: ORPO, NLL on chosen plus the "
-        "odds-ratio term.",
+        description="`sigmoid`: DPO; `ipo`: IPO's squared loss; `hinge`: SLiC-style hinge; reference-free (no "
+        "reference model is built): `simpo`: SimPO on average token log-probs with margin `dpo.simpo_gamma`; `orpo`: "
+        "ORPO, NLL on chosen plus the odds-ratio term.",
     )
     label_smoothing: float = Field(
         0.0, ge=0, lt=0.5, description="Assumed label-flip rate (conservative DPO); `sigmoid` only."
     )
     precompute_reference: bool = Field(
         False,
-        description="Compute the reference log-probs of every pair once before training, then free the reference model.",
+        description="Compute the reference log-probs of every pair once before training, then free the reference "
+        "model.",
     )
     simpo_gamma: float = Field(
         0.5,
         ge=0,
-        description="`simpo` only: target reward margin gamma, subtracted from beta x (avg chosen - avg rejected log-prob) "
-        "(TRL's `simpo_gamma`; the SimPO paper's gamma/beta ratio is ~0.5, e.g. beta 2.5, gamma 1.25).",
+        description="`simpo` only: target reward margin gamma, subtracted from beta x (avg chosen - avg rejected "
+        "log-prob) (TRL's `simpo_gamma`; the SimPO paper's gamma/beta ratio is ~0.5, e.g. beta 2.5, gamma 1.25).",
     )
 
 
@@ -373,7 +385,8 @@ class RolloutConfig(Section):
     prompts_per_step: int = Field(
         8,
         ge=1,
-        description="Prompts per step across all ranks (a multiple of the number of ranks); each step samples prompts_per_step x group_size responses.",
+        description="Prompts per step across all ranks (a multiple of the number of ranks); each step samples "
+        "prompts_per_step x group_size responses.",
     )
     group_size: int = Field(
         8, ge=1, description="Responses sampled per prompt; `grpo` scores each against the others of its group (>= 2)."
@@ -381,12 +394,14 @@ class RolloutConfig(Section):
     max_new_tokens: int = Field(
         64,
         ge=1,
-        description="Longest response in tokens; a response that reaches it without EOS is cut there (metric `truncated_frac`).",
+        description="Longest response in tokens; a response that reaches it without EOS is cut there (metric "
+        "`truncated_frac`).",
     )
     temperature: float = Field(
         1.0,
         gt=0,
-        description="Sampling temperature; the loss's log-probs use the same temperature, so ratios compare like with like.",
+        description="Sampling temperature; the loss's log-probs use the same temperature, so ratios compare like with "
+        "like.",
     )
     top_p: float = Field(
         1.0,
@@ -399,16 +414,17 @@ class RolloutConfig(Section):
     )
     zero3_generation: Literal["copy", "gather"] = Field(
         "copy",
-        description="ZeRO-3 only: `copy` samples from a plain copy of the policy allocated for each rollout (one full copy of the "
-        "weights per rank while sampling; ~5x faster on a CPU); `gather` samples from the partitioned module inside one gather (same peak "
-        "memory, DeepSpeed's hooks at every forward).",
+        description="ZeRO-3 only: `copy` samples from a plain copy of the policy allocated for each rollout (one full "
+        "copy of the weights per rank while sampling; ~5x faster on a CPU); `gather` samples from the partitioned "
+        "module inside one gather (same peak memory, DeepSpeed's hooks at every forward).",
     )
     behaviour_logprobs: Literal["auto", "recompute", "sampler"] = Field(
         "auto",
-        description="Where the ratio's behaviour log-probs come from: `recompute`: one forward of the policy engine after sampling, the "
-        "loss's own call, so the first ratio is exactly 1; `sampler`: kept from the sampling logits at each step (no extra forward: 1.1x the "
-        "rollout tokens/s in benchmarks/rollout_speed.py; the KV-cached kernels differ from the full forward by ~1e-6 in fp32, ~1e-2 in bf16); "
-        "`auto`: `sampler` when the policy trains in fp32, `recompute` in bf16/fp16.",
+        description="Where the ratio's behaviour log-probs come from: `recompute`: one forward of the policy engine "
+        "after sampling, the loss's own call, so the first ratio is exactly 1; `sampler`: kept from the sampling "
+        "logits at each step (no extra forward: 1.1x the rollout tokens/s in benchmarks/rollout_speed.py; the "
+        "KV-cached kernels differ from the full forward by ~1e-6 in fp32, ~1e-2 in bf16); `auto`: `sampler` when the "
+        "policy trains in fp32, `recompute` in bf16/fp16.",
     )
 
 
@@ -445,18 +461,21 @@ class RlConfig(Section):
     epochs_per_rollout: int = Field(
         1,
         ge=1,
-        description="Passes over each rollout; targets (rewards, advantages, returns, behaviour and reference log-probs) stay fixed across them.",
+        description="Passes over each rollout; targets (rewards, advantages, returns, behaviour and reference "
+        "log-probs) stay fixed across them.",
     )
     minibatch_size: int | None = Field(
         None,
         ge=1,
-        description="Sequences per optimizer step across all ranks; must equal train.micro_batch_size x train.grad_accum_steps x ranks (null: that product).",
+        description="Sequences per optimizer step across all ranks; must equal train.micro_batch_size x "
+        "train.grad_accum_steps x ranks (null: that product).",
     )
     clip_eps: float | None = Field(
         None,
         gt=0,
         lt=1,
-        description="Symmetric PPO clip: sets clip_eps_low, and clip_eps_high unless given (null: use clip_eps_low/high).",
+        description="Symmetric PPO clip: sets clip_eps_low, and clip_eps_high unless given (null: use "
+        "clip_eps_low/high).",
     )
     clip_eps_low: float = Field(0.2, gt=0, lt=1, description="PPO clip: the ratio's lower bound is 1 - clip_eps_low.")
     clip_eps_high: float | None = Field(
@@ -467,14 +486,15 @@ class RlConfig(Section):
     dual_clip_c: float | None = Field(
         None,
         gt=1,
-        description="`online_ppo`: dual-clip (Ye et al. 2020) caps a negative-advantage token's loss at -A x c (e.g. 3; null: off).",
+        description="`online_ppo`: dual-clip (Ye et al. 2020) caps a negative-advantage token's loss at -A x c (e.g. "
+        "3; null: off).",
     )
     kl_coef: float = Field(
         0.04,
         ge=0,
-        description="Weight of the KL to the reference: in the loss for `grpo` (GRPO paper: 0.04; "
-        "in the reward with rl.advantage_estimator reinforce_pp), in the per-token reward for `online_ppo` "
-        "(see rl.kl_in_reward); the starting value when rl.target_kl is set. 0 (without target_kl) skips the reference model entirely.",
+        description="Weight of the KL to the reference: in the loss for `grpo` (GRPO paper: 0.04; in the reward with "
+        "rl.advantage_estimator reinforce_pp), in the per-token reward for `online_ppo` (see rl.kl_in_reward); the "
+        "starting value when rl.target_kl is set. 0 (without target_kl) skips the reference model entirely.",
     )
     kl_max_log_ratio: float | None = Field(
         10.0,
@@ -483,12 +503,13 @@ class RlConfig(Section):
     )
     normalize_advantage_std: bool = Field(
         True,
-        description="`grpo`: advantages (r - group mean) / (group std + 1e-6) as in GRPO; false: r - group mean only (Dr. GRPO). "
-        "Read by rl.advantage_estimator grpo only.",
+        description="`grpo`: advantages (r - group mean) / (group std + 1e-6) as in GRPO; false: r - group mean only "
+        "(Dr. GRPO). Read by rl.advantage_estimator grpo only.",
     )
     loss_aggregation: Literal["token_mean", "sequence_mean"] = Field(
         "token_mean",
-        description="`token_mean`: every response token of the optimizer step weighs the same; `sequence_mean`: every response does (GRPO paper).",
+        description="`token_mean`: every response token of the optimizer step weighs the same; `sequence_mean`: every "
+        "response does (GRPO paper).",
     )
     gamma: float = Field(
         1.0, ge=0, le=1, description="`online_ppo`: GAE discount per response token (1: no discount within a response)."
@@ -499,20 +520,23 @@ class RlConfig(Section):
     vf_coef: float = Field(
         1.0,
         gt=0,
-        description="`online_ppo`: multiplier of the critic's loss. The critic has its own optimizer, so this trades off nothing against the "
-        "policy loss: with AdamW it mostly moves where critic.max_grad_norm starts clipping (docs/guides/rl.md).",
+        description="`online_ppo`: multiplier of the critic's loss. The critic has its own optimizer, so this trades "
+        "off nothing against the policy loss: with AdamW it mostly moves where critic.max_grad_norm starts clipping "
+        "(docs/guides/rl.md).",
     )
     value_clip: float | None = Field(
         0.2,
         gt=0,
-        description="`online_ppo`: PPO2 value clipping, |V - V_old| <= value_clip in the clipped branch (null: plain squared error).",
+        description="`online_ppo`: PPO2 value clipping, |V - V_old| <= value_clip in the clipped branch (null: plain "
+        "squared error).",
     )
     whiten_advantages: bool = Field(
         True, description="`online_ppo`: whiten the GAE advantages over the valid tokens of the whole step (all ranks)."
     )
     kl_in_reward: bool = Field(
         True,
-        description="`online_ppo`: -kl_coef x KL(behaviour, reference) in every token's reward (Ziegler et al.); false: kl_coef x k3 in the loss, as `grpo`.",
+        description="`online_ppo`: -kl_coef x KL(behaviour, reference) in every token's reward (Ziegler et al.); "
+        "false: kl_coef x k3 in the loss, as `grpo`.",
     )
     kl_estimator: Literal["k1", "k2", "k3"] | None = Field(
         None,
@@ -524,7 +548,8 @@ class RlConfig(Section):
     target_kl: float | None = Field(
         None,
         gt=0,
-        description="`online_ppo`: adaptive KL coefficient (Ziegler et al. 2019) steering the KL, in nats per response, to this value (null: fixed kl_coef).",
+        description="`online_ppo`: adaptive KL coefficient (Ziegler et al. 2019) steering the KL, in nats per "
+        "response, to this value (null: fixed kl_coef).",
     )
     kl_horizon: float = Field(
         10000.0, gt=0, description="`online_ppo`: horizon of the adaptive KL controller, in responses."
@@ -532,11 +557,13 @@ class RlConfig(Section):
     reward_clip: float | None = Field(
         None,
         gt=0,
-        description="`online_ppo`: clip each sequence reward to [-reward_clip, reward_clip] before shaping (null: off).",
+        description="`online_ppo`: clip each sequence reward to [-reward_clip, reward_clip] before shaping (null: "
+        "off).",
     )
     reward_normalization: Literal["none", "batch"] = Field(
         "none",
-        description="`online_ppo`: `batch` standardises the sequence rewards over all responses of the step (all ranks) before shaping.",
+        description="`online_ppo`: `batch` standardises the sequence rewards over all responses of the step (all "
+        "ranks) before shaping.",
     )
     entropy_coef: float = Field(
         0.0,
@@ -617,9 +644,10 @@ class CriticConfig(Section):
 
     path: str | None = Field(
         None,
-        description="Start the critic from this folder: a critic export (`export-hf --part critic`) or any transformers model, whose "
-        "trunk is used with a zero value head. null: the policy's starting weights (model.path or model.init with train.seed). Also lets a resume "
-        "from a checkpoint without critic/ start a new critic.",
+        description="Start the critic from this folder: a critic export (`export-hf --part critic`) or any "
+        "transformers model, whose trunk is used with a zero value head. null: the policy's starting weights "
+        "(model.path or model.init with train.seed). Also lets a resume from a checkpoint without critic/ start a new "
+        "critic.",
     )
     lr: float | None = Field(None, gt=0, description="Critic peak learning rate (null: train.lr).")
     weight_decay: float | None = Field(None, ge=0, description="Critic AdamW weight decay (null: train.weight_decay).")
@@ -647,7 +675,8 @@ class CriticConfig(Section):
 class RewardComponent(Section):
     function: str | None = Field(
         None,
-        description="A Python callable 'package.module:function' returning one float per response (arguments: docs/guides/rl.md).",
+        description="A Python callable 'package.module:function' returning one float per response (arguments: "
+        "docs/guides/rl.md).",
     )
     model_path: str | None = Field(
         None, description="Local AutoModelForSequenceClassification folder (one output) scoring prompt + response."
@@ -705,7 +734,8 @@ class RewardConfig(RewardComponent):
 
     components: list[RewardComponent] | None = Field(
         None,
-        description="Several rewards, each {function | model_path | url, weight, ...}; the reward is their weighted sum.",
+        description="Several rewards, each {function | model_path | url, weight, ...}; the reward is their weighted "
+        "sum.",
     )
 
     @model_validator(mode="after")
@@ -739,7 +769,8 @@ class JobConfig(Section):
     )
     infra: InfraConfig = Field(
         default_factory=InfraConfig,
-        description="Host side (containers, GPUs, nodes), read by the wrappers; the trainer ignores it. Extra keys allowed.",
+        description="Host side (containers, GPUs, nodes), read by the wrappers; the trainer ignores it. Extra keys "
+        "allowed.",
     )
     export: ExportConfig = Field(default_factory=ExportConfig, description="Hugging Face export of the final policy.")
     dpo: DpoConfig = Field(default_factory=DpoConfig, description="Preference optimisation (`train_type: dpo`).")
@@ -754,11 +785,13 @@ class JobConfig(Section):
     )
     rl: RlConfig = Field(
         default_factory=RlConfig,
-        description="Policy optimisation of the online train types: replay epochs, minibatches, clipping, KL, advantages.",
+        description="Policy optimisation of the online train types: replay epochs, minibatches, clipping, KL, "
+        "advantages.",
     )
     reward: RewardConfig | None = Field(
         None,
-        description="Reward of the online train types: a function, a reward model, an HTTP service, or weighted components.",
+        description="Reward of the online train types: a function, a reward model, an HTTP service, or weighted "
+        "components.",
     )
     critic: CriticConfig = Field(
         default_factory=CriticConfig,
@@ -771,7 +804,8 @@ class JobConfig(Section):
             return self
         if self.reward is None:
             raise ValueError(
-                f"`train.train_type: {self.train.train_type}` needs a `reward` section (function, model_path, url or components)"
+                f"`train.train_type: {self.train.train_type}` needs a `reward` section (function, model_path, url or "
+                "components)"
             )
         if self.train.max_steps is None:
             raise ValueError("online train types count steps in rollouts: give `train.max_steps` (not `train.epochs`)")
@@ -783,7 +817,8 @@ class JobConfig(Section):
             )
         if self.train.train_type == "online_ppo" and self.critic.warmup_rollouts >= self.train.max_steps:
             raise ValueError(
-                f"`critic.warmup_rollouts` ({self.critic.warmup_rollouts}) leaves no step of `train.max_steps` ({self.train.max_steps}) to train the policy"
+                f"`critic.warmup_rollouts` ({self.critic.warmup_rollouts}) leaves no step of `train.max_steps` "
+                f"({self.train.max_steps}) to train the policy"
             )
         return self
 

@@ -28,7 +28,8 @@ def row_messages(row: dict, index: int, fields) -> list[dict]:
         if not isinstance(prompt, str) or not isinstance(response, str):
             raise RowError(
                 index,
-                f"needs a {fields.messages_field!r} list or string {fields.prompt_field!r} and {fields.response_field!r} fields",
+                f"needs a {fields.messages_field!r} list or string {fields.prompt_field!r} and "
+                f"{fields.response_field!r} fields",
             )
         messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
     if not isinstance(messages, list) or not messages:

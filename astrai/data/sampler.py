@@ -45,7 +45,8 @@ class ShardedOrder:
         """This rank's sample indices for every global micro-step from `consumed_samples` on, forever."""
         if consumed_samples % self.samples_per_micro_step:
             raise ValueError(
-                f"consumed_samples {consumed_samples} is not a multiple of the global micro-batch {self.samples_per_micro_step}"
+                f"consumed_samples {consumed_samples} is not a multiple of the global micro-batch "
+                f"{self.samples_per_micro_step}"
             )
         epoch, position = divmod(consumed_samples, self.samples_per_epoch)
         while True:

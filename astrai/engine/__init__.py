@@ -10,6 +10,8 @@ LR schedule and clipping.
 - `engines.py`: `Engine`, `FrozenEngine`, partitioned loading, consolidated weights.
 - `streamed_writes.py`: an engine's checkpoint files serialised into the caller's file objects.
 - `safe_load.py`: every checkpoint file read weights-only (DeepSpeed's readers included); old RNG pickles.
+- `portable_state.py`: DeepSpeed's shard files read as full tensors, and full tensors filled into each
+  optimizer layout (the DeepSpeed halves of astrai/resume/portable.py's topology-free form).
 """
 
 from astrai.engine.distributed import (

@@ -84,7 +84,8 @@ def effective_zero_stage(requested: int, world_size: int, offloaded: bool, keep:
     stage 0 there unless offload needs ZeRO or the job keeps the stage (`deepspeed.single_rank_stage0: false`)."""
     if world_size == 1 and requested in (1, 2) and not offloaded and not keep:
         logger.info(
-            "one rank: ZeRO-%d partitions nothing here, running ZeRO-0 (set deepspeed.single_rank_stage0: false to keep it)",
+            "one rank: ZeRO-%d partitions nothing here, running ZeRO-0 (set deepspeed.single_rank_stage0: false to "
+            "keep it)",
             requested,
         )
         return 0

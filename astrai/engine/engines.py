@@ -188,11 +188,11 @@ class Engine:
         """Set weights, Adam moments and step, LR schedule and step counters from full (unpartitioned)
         fp32 tensors, whatever this engine's ZeRO stage and world size: the load side of a topology change.
 
-        `source` (a `portable.PortablePart`): `.names` (trainable parameters), `.tensor(key, name)` the
+        `source` (a `resume.portable.PortablePart`): `.names` (trainable parameters), `.tensor(key, name)` the
         full fp32 tensor of `key` ("fp32", "exp_avg", "exp_avg_sq") shaped like the parameter, and `.info`
         (`optimizer_step`, `lr_scheduler` state, `global_steps`, `global_samples`, `skipped_steps`).
         Every rank calls it. DeepSpeed's universal loader is a ZeRO-optimizer feature (nothing loads into
-        ZeRO-0), so `portable.fill_*` fill each layout, as that loader does for the ones it knows.
+        ZeRO-0), so `portable_state.fill_*` fill each layout, as that loader does for the ones it knows.
         """
         if hasattr(source, "shapes"):
             folder = getattr(source, "folder", "the portable checkpoint")
@@ -203,7 +203,7 @@ class Engine:
             raise ValueError(
                 f"the checkpoint's parameters differ from the model's: missing {missing[:5]}, unknown {unknown[:5]}"
             )
-        from astrai.portable import fill_flat_partitions, fill_plain, fill_wrapped, fill_zero3
+        from astrai.engine.portable_state import fill_flat_partitions, fill_plain, fill_wrapped, fill_zero3
 
         optimizer, step = self._engine.optimizer, source.info.optimizer_step
         if self.zero_stage == 3:
@@ -282,7 +282,8 @@ class Engine:
                 plain.to_empty(device="meta")
                 raise CollectiveStalledError(
                     f"rollout weight sync: the ZeRO-3 all-gather of {name} did not complete on rank {dist.get_rank()} "
-                    f"within runtime.dist_timeout_s: another rank died, hung, or is still busy elsewhere ({type(error).__name__}: {error})"
+                    "within runtime.dist_timeout_s: another rank died, hung, or is still busy elsewhere "
+                    f"({type(error).__name__}: {error})"
                 ) from error
         if targets:
             raise RuntimeError(

@@ -7,8 +7,8 @@ trimmed whenever more than twice that lies free. The next step faults the same m
 page, zeroed. Measured on the CPU with `deepspeed astrai/train.py` (1 rank, 24 steps): ~19,400 minor
 page faults a step, about 4x the plain DeepSpeed loop's, whose heap happens to settle better; with the
 thresholds below, ~3,800, and 1.11x the tokens/s on 1 rank, 1.09x on 2 (the plain loops, given the
-same thresholds, 0.98x and 1.06x; docs/benchmarks.md). A long-running trainer's heap cycles through the same working set every step, so
-keeping it costs no memory the step does not use anyway.
+same thresholds, 0.98x and 1.06x; docs/benchmarks.md). A long-running trainer's heap cycles through the
+same working set every step, so keeping it costs no memory the step does not use anyway.
 
 Not applied where it cannot matter or the user chose: non-glibc C libraries, an allocator preloaded
 instead of malloc (jemalloc, tcmalloc, mimalloc), or MALLOC_*_ / GLIBC_TUNABLES already set.
@@ -49,7 +49,8 @@ def tune_malloc(environ: dict[str, str] | None = None) -> bool:
             and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
         ):
             logger.info(
-                "host malloc: blocks up to %d MiB from the heap, up to %d MiB kept free at its top (runtime.tune_malloc)",
+                "host malloc: blocks up to %d MiB from the heap, up to %d MiB kept free at its top "
+                "(runtime.tune_malloc)",
                 MMAP_THRESHOLD_BYTES >> 20,
                 TRIM_THRESHOLD_BYTES >> 20,
             )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from astrai.errors import AstraiError
+from astrai.safe_write import install_folder
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
@@ -98,15 +98,8 @@ def set_pad_token(tokenizer: PreTrainedTokenizerBase, token: str | None) -> None
 
 
 def save_tokenizer(tokenizer: PreTrainedTokenizerBase, folder: str | Path) -> None:
-    """Write the tokenizer atomically enough for readers: into a temp folder, then rename."""
-    folder = Path(folder)
-    temporary = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
-    tokenizer.save_pretrained(temporary)
-    if folder.exists():
-        import shutil
-
-        shutil.rmtree(folder)
-    os.replace(temporary, folder)
+    """Write the tokenizer atomically for readers: into a staging folder, then swapped in by rename."""
+    install_folder(Path(folder), tokenizer.save_pretrained)
 
 
 def has_chatml_markers(tokenizer: PreTrainedTokenizerBase) -> bool:

@@ -5,7 +5,7 @@ and returns a `RolloutResult`; `rewards` turns responses into floats. `grpo` and
 call these; nothing here knows which train type is running.
 """
 
-from astrai.rollout.generation import RolloutResult, generate_rollout, rollout_metrics, sampling_seed
+from astrai.rollout.generation import RolloutResult, generate_rollout, sampling_seed
 from astrai.rollout.rewards import RewardError, RewardScores, build_reward, reward_inputs
 from astrai.rollout.sequences import (
     frozen_response_values,
@@ -31,6 +31,5 @@ __all__ = [
     "response_mask",
     "response_values",
     "reward_inputs",
-    "rollout_metrics",
     "sampling_seed",
 ]

@@ -80,12 +80,6 @@ class RolloutResult:
     # [N] bool: the rows that take loss; None: all. rl.mask_truncated clears the truncated rows, whose response
     # mask `training_tensors` then empties (rewards, lengths and metrics still see every token).
     loss_rows: torch.Tensor | None = None
-    # Targets pinned at rollout time by `online_ppo` (never recomputed while the rollout is replayed):
-    values: torch.Tensor | None = None  # [N, R] float32, the critic's values at rollout time, 0 on padding
-    advantages: torch.Tensor | None = None  # [N, R] GAE advantages the loss reads (whitened if rl.whiten_advantages)
-    returns: torch.Tensor | None = None  # [N, R] the critic's regression targets: raw advantages + values
-    kl: torch.Tensor | None = None  # [N, R] the per-token KL(behaviour, reference) shaped into the rewards
-    kl_coef: float | None = None  # the KL coefficient the rewards were shaped with
 
     @property
     def size(self) -> int:
@@ -103,7 +97,7 @@ class RolloutResult:
         return tensors
 
     def metric_sums(self) -> dict[str, float]:
-        """Sums that, added over ranks, give the step's rollout metrics (see `rollout_metrics`)."""
+        """Sums that, added over ranks, give the step's rollout metrics (`step_metrics.rollout_metrics`)."""
         sums = {
             "rollout/responses": float(self.size),
             "rollout/response_tokens": float(self.response_mask.sum()),
@@ -116,73 +110,7 @@ class RolloutResult:
                 sums[f"rollout/reward_{name}"] = float(values.double().sum())
         if self.overlong_penalties is not None:
             sums["rollout/overlong_penalty"] = float(self.overlong_penalties.double().sum())
-        if self.returns is not None:
-            sums.update(self._target_sums())
         return sums
-
-    def _target_sums(self) -> dict[str, float]:
-        """Sums over valid response tokens of values V, returns R and raw advantages R - V (so that the
-        step's explained variance 1 - Var[R - V] / Var[R] is over every token of every rank)."""
-        valid = self.response_mask.bool()
-        values, returns = self.values[valid].double(), self.returns[valid].double()
-        raw_advantages = returns - values
-        sums = {
-            "rollout/target_tokens": float(valid.sum()),
-            "rollout/values": float(values.sum()),
-            "rollout/returns": float(returns.sum()),
-            "rollout/returns_squared": float((returns**2).sum()),
-            "rollout/advantages": float(raw_advantages.sum()),
-            "rollout/advantages_squared": float((raw_advantages**2).sum()),
-        }
-        if self.kl is not None:
-            sums["rollout/kl"] = float(self.kl[valid].double().sum())
-        if self.kl_coef is not None:
-            sums["rollout/kl_coef"] = self.kl_coef * self.size  # a mean over responses gives the coefficient back
-        return sums
-
-
-def rollout_metrics(totals: dict[str, float]) -> dict[str, float]:
-    """Global sums of `RolloutResult.metric_sums` -> reward_mean, reward_std (population, over all
-    responses of the step), reward_<component> means, response_len_mean (tokens, EOS included),
-    truncated_frac, overlong_penalty (the mean rl.overlong_penalty added to the rewards)."""
-    count = max(totals["rollout/responses"], 1.0)
-    record = {
-        "response_len_mean": totals["rollout/response_tokens"] / count,
-        "truncated_frac": totals["rollout/truncated"] / count,
-    }
-    if "rollout/reward" in totals:
-        mean = totals["rollout/reward"] / count
-        record["reward_mean"] = mean
-        record["reward_std"] = max(totals["rollout/reward_squared"] / count - mean**2, 0.0) ** 0.5
-    for key, value in totals.items():
-        if key.startswith("rollout/reward_") and key != "rollout/reward_squared":
-            record[key.removeprefix("rollout/")] = value / count
-    if "rollout/target_tokens" in totals:
-        record.update(target_metrics(totals))
-    if "rollout/kl_coef" in totals:
-        record["kl_coef"] = totals["rollout/kl_coef"] / count
-    if "rollout/overlong_penalty" in totals:
-        record["overlong_penalty"] = totals["rollout/overlong_penalty"] / count
-    return record
-
-
-def target_metrics(totals: dict[str, float]) -> dict[str, float]:
-    """values_mean, returns_mean, advantages_mean/std (raw GAE advantages R - V, before whitening),
-    explained_variance = 1 - Var[R - V] / Var[R] (0 when Var[R] is 0), and kl: per valid response token."""
-    tokens = max(totals["rollout/target_tokens"], 1.0)
-    returns_mean, advantages_mean = totals["rollout/returns"] / tokens, totals["rollout/advantages"] / tokens
-    returns_var = max(totals["rollout/returns_squared"] / tokens - returns_mean**2, 0.0)
-    advantages_var = max(totals["rollout/advantages_squared"] / tokens - advantages_mean**2, 0.0)
-    record = {
-        "values_mean": totals["rollout/values"] / tokens,
-        "returns_mean": returns_mean,
-        "advantages_mean": advantages_mean,
-        "advantages_std": advantages_var**0.5,
-        "explained_variance": 1.0 - advantages_var / returns_var if returns_var > 0 else 0.0,
-    }
-    if "rollout/kl" in totals:
-        record["kl"] = totals["rollout/kl"] / tokens
-    return record
 
 
 @contextlib.contextmanager

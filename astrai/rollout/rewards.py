@@ -78,7 +78,8 @@ def checked_scores(name: str, values, expected: int) -> torch.Tensor:
     bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
     if bad:
         raise RewardError(
-            f"reward {name!r} returned a non-finite value ({scores[bad[0]].item()}) for response {bad[0]} ({len(bad)} in all)"
+            f"reward {name!r} returned a non-finite value ({scores[bad[0]].item()}) for response {bad[0]} ({len(bad)} "
+            "in all)"
         )
     return scores.float()
 
@@ -300,8 +301,8 @@ class HttpReward:
             return answer["rewards"] if isinstance(answer, dict) else answer
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
             raise RewardError(
-                f"reward {self.name!r}: the answer is not JSON with a 'rewards' list ({type(error).__name__}: {error}); "
-                f"it began {raw[:120]!r}"
+                f"reward {self.name!r}: the answer is not JSON with a 'rewards' list ({type(error).__name__}: "
+                f"{error}); it began {raw[:120]!r}"
             ) from None
 
 

@@ -9,6 +9,7 @@ from typing import ClassVar
 import torch
 
 from astrai.models.policy import router_aux_loss_coef
+from astrai.run import Run
 
 
 @dataclass
@@ -56,7 +57,11 @@ class Strategy:
         """Optimizer updates in one trainer step; the LR schedule spans max_steps x this many."""
         return 1
 
-    def setup(self, run) -> None:
+    def rows_per_draw(self, world_size: int) -> int:
+        """Rows one rank takes from the run's data order per draw (`run.DataStream`): a micro-batch."""
+        return self.job.train.micro_batch_size
+
+    def setup(self, run: Run) -> None:
         """Build what the strategy holds besides the trainable engines (e.g. a frozen reference)."""
 
     def checkpoint_meta(self) -> dict:
@@ -118,6 +123,7 @@ def strategy_class(train_type: str) -> type[Strategy]:
 
     if train_type not in REGISTRY:
         raise KeyError(
-            f"train.train_type: {train_type!r} is not available in this version (available: {', '.join(sorted(REGISTRY))})"
+            f"train.train_type: {train_type!r} is not available in this version (available: "
+            f"{', '.join(sorted(REGISTRY))})"
         )
     return REGISTRY[train_type]

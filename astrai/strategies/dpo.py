@@ -27,6 +27,7 @@ from astrai.data import render_rows
 from astrai.data.collate import pad_right
 from astrai.data.render import preference_batch
 from astrai.engine import all_gather_objects
+from astrai.run import Run
 from astrai.strategies.base import StepOutput, Strategy, register
 from astrai.strategies.reference import build_reference
 
@@ -82,7 +83,7 @@ class DpoStrategy(Strategy):
         if job.model.reference_path is not None:
             raise ConfigError(f"`dpo.loss: {settings.loss}` uses no reference model: remove `model.reference_path`")
 
-    def setup(self, run) -> None:
+    def setup(self, run: Run) -> None:
         self.device = run.dist.device
         if self.job.dpo.loss in REFERENCE_FREE_LOSSES:
             self.reference, self.reference_source = None, None  # never built: the loss needs only the policy
@@ -93,7 +94,7 @@ class DpoStrategy(Strategy):
             run.dataset = self._precompute(run)
             self.reference = None  # freed: the log-probs now travel with the data
 
-    def _precompute(self, run) -> datasets.Dataset:
+    def _precompute(self, run: Run) -> datasets.Dataset:
         """Reference log-probs of every pair, computed once, rank r taking pairs r, r+W, ...
 
         Every rank runs the same number of forwards (the last batch is padded with repeats) because

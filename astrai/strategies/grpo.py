@@ -34,20 +34,21 @@ import torch
 
 from astrai.algos.advantages import discounted_returns, grpo_advantages, kl_shaped_rewards, rloo_advantages
 from astrai.algos.kl import kl_estimate
-from astrai.algos.masked import masked_sum
+from astrai.algos.masked import global_standardize, masked_sum
 from astrai.algos.ppo import broadcast_sequence_advantages, entropy_from_logits, ppo_policy_loss
 from astrai.rollout import RolloutResult, response_logprobs
 from astrai.rollout.sequences import masked_token_logprobs, response_forward
+from astrai.run import Run
 from astrai.strategies.base import StepOutput, register
 from astrai.strategies.online import OnlineStrategy
-from astrai.strategies.ppo import global_standardize
+from astrai.strategies.targets import Targets
 
 
 @register
 class GrpoStrategy(OnlineStrategy):
     name = "grpo"
 
-    def setup(self, run) -> None:
+    def setup(self, run: Run) -> None:
         super().setup(run)
         if self.job.rl.kl_coef > 0:
             self.build_reference(run)
@@ -60,7 +61,7 @@ class GrpoStrategy(OnlineStrategy):
     def kl_in_reward(self) -> bool:
         return self.job.rl.kl_placement(self.name) == "reward"
 
-    def frozen_targets(self, rollout: RolloutResult) -> dict[str, torch.Tensor]:
+    def frozen_targets(self, rollout: RolloutResult) -> Targets:
         """Rewards, advantages ([N], or [N, R] for the reinforce_pp estimators) and, with the KL as a loss
         term, reference log-probs [N, R], plus the rollout's sequences and behaviour log-probs: everything
         the loss reads, fixed for all replay epochs of the step."""
@@ -78,7 +79,7 @@ class GrpoStrategy(OnlineStrategy):
             if not self.kl_in_reward():
                 targets["reference_logprobs"] = reference
         targets["advantages"] = self.advantages(rollout, targets, reference)
-        return targets
+        return Targets(targets)
 
     def advantages(self, rollout: RolloutResult, targets: dict, reference: torch.Tensor | None) -> torch.Tensor:
         """rl.advantage_estimator's advantages of the rollout's responses (docs/guides/rl.md)."""
@@ -90,7 +91,7 @@ class GrpoStrategy(OnlineStrategy):
             return rloo_advantages(rewards, group_size)
         if settings.advantage_estimator == "reinforce_pp_baseline":
             centred = grpo_advantages(rewards, group_size, normalize_std=False)
-            return global_standardize(broadcast_sequence_advantages(centred, mask), mask, self.dist.device)
+            return global_standardize(broadcast_sequence_advantages(centred, mask), mask, self.sum_over_ranks)
         # reinforce_pp: -kl_coef * k_t on every token, the score on the last; returns whitened over the step.
         kl = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
         if reference is not None:
@@ -100,7 +101,7 @@ class GrpoStrategy(OnlineStrategy):
             targets["reward_kl"] = kl  # for the `kl` metric
         token_rewards = kl_shaped_rewards(rewards.float(), kl, mask, settings.kl_coef)
         returns = discounted_returns(token_rewards, mask, gamma=settings.gamma)
-        return global_standardize(returns, mask, self.dist.device)
+        return global_standardize(returns, mask, self.sum_over_ranks)
 
     def compute_loss(self, policy, batch: dict, normalizer: float) -> StepOutput:
         """Clipped surrogate (+ kl_coef * KL estimate as a loss term), over response tokens [B, R];
@@ -141,6 +142,6 @@ class GrpoStrategy(OnlineStrategy):
             sums["kl"] = float(masked_sum(batch["reward_kl"], mask))
         with torch.no_grad():
             sums["entropy"] = float(masked_sum(entropy_from_logits(logits.detach()), mask))
-        sums["loss"] = float(loss.detach()) * normalizer  # the sum of this micro-batch's unit losses
+        sums["loss"] = self.unit_sum(loss, normalizer)
         loss = loss + self.router_aux_loss(policy, output, self.loss_weight(batch), normalizer, sums, tokens)
         return StepOutput(loss, sums)

@@ -24,13 +24,15 @@ from astrai.algos.dapo import overlong_penalty
 from astrai.algos.masked import masked_aggregate, rows_with_tokens
 from astrai.config import ConfigError
 from astrai.data import render_rows
-from astrai.data.sampler import ShardedOrder
+from astrai.engine import all_reduce_sums
 from astrai.rollout import RolloutResult, build_reward, generate_rollout, reward_inputs, sampling_seed
 from astrai.rollout.generation import behaviour_logprobs_source
 from astrai.rollout.prompts import decode_prompt_row, prompt_batch
+from astrai.run import Run
 from astrai.strategies.base import StepOutput, Strategy
 from astrai.strategies.dynamic_sampling import StepSample, sample_dynamically
 from astrai.strategies.reference import build_reference
+from astrai.strategies.targets import Targets
 
 logger = logging.getLogger("astrai.online")
 
@@ -55,21 +57,24 @@ def batch_geometry(job, world_size: int) -> BatchGeometry:
     rollout, train = job.rollout, job.train
     if rollout.prompts_per_step % world_size:
         raise ConfigError(
-            f"rollout.prompts_per_step {rollout.prompts_per_step} does not split over {world_size} ranks: use a multiple of {world_size}"
+            f"rollout.prompts_per_step {rollout.prompts_per_step} does not split over {world_size} ranks: use a "
+            f"multiple of {world_size}"
         )
     per_update = train.micro_batch_size * train.grad_accum_steps
     if job.rl.minibatch_size is not None and job.rl.minibatch_size != per_update * world_size:
         raise ConfigError(
-            f"rl.minibatch_size {job.rl.minibatch_size} != train.micro_batch_size {train.micro_batch_size} x train.grad_accum_steps "
-            f"{train.grad_accum_steps} x {world_size} ranks = {per_update * world_size}: DeepSpeed fixes the micro-batches of an "
-            f"optimizer step, so set train.grad_accum_steps to {job.rl.minibatch_size / (train.micro_batch_size * world_size):g} or leave rl.minibatch_size null"
+            f"rl.minibatch_size {job.rl.minibatch_size} != train.micro_batch_size {train.micro_batch_size} x "
+            f"train.grad_accum_steps {train.grad_accum_steps} x {world_size} ranks = {per_update * world_size}: "
+            "DeepSpeed fixes the micro-batches of an optimizer step, so set train.grad_accum_steps to "
+            f"{job.rl.minibatch_size / (train.micro_batch_size * world_size):g} or leave rl.minibatch_size null"
         )
     prompts_per_rank = rollout.prompts_per_step // world_size
     sequences = prompts_per_rank * rollout.group_size
     if sequences % per_update:
         raise ConfigError(
-            f"each rank samples {prompts_per_rank} prompts x rollout.group_size {rollout.group_size} = {sequences} responses, "
-            f"not a multiple of one minibatch's {per_update} per rank (train.micro_batch_size x train.grad_accum_steps)"
+            f"each rank samples {prompts_per_rank} prompts x rollout.group_size {rollout.group_size} = {sequences} "
+            f"responses, not a multiple of one minibatch's {per_update} per rank (train.micro_batch_size x "
+            "train.grad_accum_steps)"
         )
     return BatchGeometry(
         prompts_per_rank, sequences, train.micro_batch_size, train.grad_accum_steps, sequences // per_update
@@ -126,17 +131,13 @@ class OnlineStrategy(Strategy):
         """Optimizer updates of one step (rollout): what an LR schedule over train.max_steps must multiply by."""
         return batch_geometry(self.job, world_size).updates_per_epoch * self.job.rl.epochs_per_rollout
 
-    def setup(self, run) -> None:
+    def rows_per_draw(self, world_size: int) -> int:
+        """One step's prompts per rank: a draw from the run's data order is one rollout's (or round's) prompts."""
+        return batch_geometry(self.job, world_size).prompts_per_rank
+
+    def setup(self, run: Run) -> None:
         self.geometry = batch_geometry(self.job, run.dist.world_size)
-        self.dataset, self.dist = run.dataset, run.dist
-        self.order = ShardedOrder(
-            len(run.dataset),
-            self.geometry.prompts_per_rank,
-            run.dist.world_size,
-            run.dist.rank,
-            self.job.train.seed,
-            self.job.data.shuffle,
-        )
+        self.dist = run.dist
         self.reward = build_reward(self.job.reward, run.dist.device)
         self.reference, self.reference_source = None, None
         updates = self.optimizer_steps_per_step(run.dist.world_size)
@@ -157,7 +158,7 @@ class OnlineStrategy(Strategy):
                 precision,
             )
 
-    def build_reference(self, run) -> None:
+    def build_reference(self, run: Run) -> None:
         """The frozen reference (as `dpo`'s): `model.reference_path`, else the policy's starting weights;
         partitioned like the policy under ZeRO-3."""
         self.reference, self.reference_source = build_reference(
@@ -168,16 +169,9 @@ class OnlineStrategy(Strategy):
         return {"reference": self.reference_source, "reward": self.reward.names}
 
     # The loop calls these in order, once per step (minibatches once per replay epoch).
-    def prompt_batches(self, consumed_samples: int) -> Iterator[list[dict]]:
-        """This rank's prepared prompt examples for each step from `consumed_samples` (global prompts) on."""
-        for indices in self.order.micro_batches(consumed_samples):
-            yield [self.dataset[index] for index in indices]
-
-    def prompt_epoch(self, consumed_samples: int) -> int:
-        return self.order.epoch_of(consumed_samples)
-
     def sample(self, policy, prompt_batches: Iterator[list[dict]], *, step: int, policy_version: int) -> StepSample:
-        """The step's scored rollout from the next prompts: one round, or rl.dynamic_sampling's rounds."""
+        """The step's scored rollout from the next prompts (`run.data.batches()`, which counts what is drawn):
+        one round, or rl.dynamic_sampling's rounds."""
         if self.job.rl.dynamic_sampling:
             return sample_dynamically(self, policy, prompt_batches, step=step, policy_version=policy_version)
         rollout = self.rollout(policy, next(prompt_batches), step=step, policy_version=policy_version)
@@ -228,16 +222,25 @@ class OnlineStrategy(Strategy):
             )
             rollout.rewards = rollout.rewards + rollout.overlong_penalties
 
-    def frozen_targets(self, rollout: RolloutResult) -> dict[str, torch.Tensor]:
+    def frozen_targets(self, rollout: RolloutResult) -> Targets:
+        """The step's targets (`targets.py`): everything the losses read, fixed for every replay epoch."""
         raise NotImplementedError
 
-    def trains_policy(self, step: int) -> bool:
-        """Whether this step updates the policy (online_ppo's critic warmup steps do not)."""
+    def trains_part(self, part: str, step: int) -> bool:
+        """Whether engine `part` (one of `engine_parts`) updates this step (online_ppo's critic warmup steps
+        leave the policy alone)."""
         return True
 
-    def compute_critic_loss(self, critic, batch: dict, normalizer: float) -> StepOutput:
-        """The critic's loss on one micro-batch (train types with a `critic` engine)."""
-        raise NotImplementedError
+    def part_loss(self, part: str, engine, batch: dict, normalizer: float) -> StepOutput:
+        """The loss of engine `part` on one micro-batch: `compute_loss` for the policy (a strategy with more
+        engine parts adds theirs)."""
+        if part != "policy":
+            raise NotImplementedError(f"{self.name} has no loss for engine part {part!r}")
+        return self.compute_loss(engine, batch, normalizer)
+
+    def sum_over_ranks(self, values: list[float]) -> list[float]:
+        """Each number added over every rank (one all-reduce): what algos' step-wide statistics take."""
+        return all_reduce_sums(values, self.dist.device)
 
     def loss_weight(self, batch: dict) -> int:
         """Loss units of the micro-batch: response tokens (token_mean) or responses with at least one
@@ -253,14 +256,18 @@ class OnlineStrategy(Strategy):
             return {"aggregation": "global", "global_token_count": normalizer}
         return {"aggregation": "global_sequence", "global_sequence_count": normalizer}
 
+    @staticmethod
+    def unit_sum(loss: torch.Tensor, normalizer: float) -> float:
+        """The sum of the micro-batch's unit losses behind `loss` (= that sum / normalizer, see `aggregation`):
+        what a loss metric sums, so that `step_metrics` divides it by the step's loss units once."""
+        return float(loss.detach()) * normalizer
+
     def _aggregate(self, per_token: torch.Tensor, mask: torch.Tensor, normalizer: float) -> torch.Tensor:
         """Sum of this micro-batch's unit losses / normalizer (see `loss_weight`)."""
         arguments = self.aggregation(normalizer)
         return masked_aggregate(per_token, mask, arguments.pop("aggregation"), **arguments)
 
-    def minibatches(
-        self, targets: dict[str, torch.Tensor], *, step: int, epoch: int
-    ) -> Iterator[list[dict[str, torch.Tensor]]]:
+    def minibatches(self, targets: Targets, *, step: int, epoch: int) -> Iterator[list[dict[str, torch.Tensor]]]:
         """One list of grad_accum_steps micro-batches per optimizer step, over a fresh permutation of this
         rank's sequences each epoch (seeded by step, epoch and rank, so a resumed run replays the same)."""
         geometry = self.geometry

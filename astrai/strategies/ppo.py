@@ -8,7 +8,7 @@ One step (`trainer.train_online` drives it):
     frozen targets     no gradient: reference log-probs, critic values V [N, R], sequence rewards s [N]
       rewards          r_t = -kl_coef * k1(logp_old, logp_ref)_t on every response token, + s on the last real one
       GAE              delta_t = r_t + gamma V_{t+1} - V_t,  A_t = delta_t + gamma lambda A_{t+1},  R_t = A_t + V_t
-      pinned           values, advantages, returns are set on the RolloutResult, never recomputed in replay
+      pinned           values, advantages, returns are held by PPOTargets, never recomputed in replay
     replay             epochs_per_rollout x minibatches; per micro-batch a policy step and a critic step:
       policy           max(-A ratio, -A clip(ratio, 1 - eps_low, 1 + eps_high)) [dual-clip] - entropy_coef H
       critic           vf_coef * 0.5 * max((V - R)^2, (V_old + clip(V - V_old, +-value_clip) - R)^2)
@@ -33,37 +33,54 @@ Choices and departures:
 from __future__ import annotations
 
 import logging
-import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from astrai.algos.advantages import AdaptiveKLController, FixedKLController, compute_gae, kl_shaped_rewards
 from astrai.algos.kl import kl_estimate
-from astrai.algos.masked import WHITEN_EPS, masked_sum
+from astrai.algos.masked import global_standardize, masked_sum
 from astrai.algos.ppo import entropy_from_logits, ppo_policy_loss, value_loss
-from astrai.engine import all_reduce_sums
 from astrai.rollout import RolloutResult, frozen_response_values, response_logprobs, response_values
 from astrai.rollout.sequences import masked_token_logprobs, response_forward
+from astrai.run import Run
 from astrai.strategies.base import StepOutput, register
 from astrai.strategies.online import OnlineStrategy
+from astrai.strategies.targets import Targets
 
 logger = logging.getLogger("astrai.ppo")
 
 
-def global_standardize(values: torch.Tensor, mask: torch.Tensor, device) -> torch.Tensor:
-    """(values - mean) / sqrt(var + 1e-8) with the mean and unbiased variance of the valid entries of
-    every rank; 0 at padding. values, mask: any one shape ([N, R] tokens or [N] responses). On one rank
-    this is `masked.masked_whiten`."""
-    valid = mask.bool()
-    selected = values[valid].double()
-    count, total, squares = all_reduce_sums(
-        [float(valid.sum()), float(selected.sum()), float((selected**2).sum())], device
-    )
-    mean = total / max(count, 1.0)
-    variance = max(squares - count * mean**2, 0.0) / max(count - 1.0, 1.0)
-    standardized = (values - mean) / math.sqrt(variance + WHITEN_EPS)
-    return torch.where(valid, standardized, torch.zeros_like(standardized))
+@dataclass
+class PPOTargets(Targets):
+    """online_ppo's frozen targets: values, advantages, returns [N, R] among the tensors (with the sequences,
+    behaviour and, with the KL in the loss, reference log-probs), and the KL the rewards were shaped with."""
+
+    token_mask: torch.Tensor  # [N, R] every response token, rl.mask_truncated's rows too: what the metrics average
+    kl: torch.Tensor | None = None  # [N, R] the per-token KL shaped into the rewards (None: in the loss)
+    kl_coef: float | None = None  # the coefficient the rewards were shaped with (None without a reference)
+
+    def metric_sums(self) -> dict[str, float]:
+        """Sums over the response tokens of values V, returns R and raw advantages R - V (so that the step's
+        explained variance 1 - Var[R - V] / Var[R] is over every token of every rank), kl and kl_coef."""
+        valid = self.token_mask.bool()
+        values, returns = self["values"][valid].double(), self["returns"][valid].double()
+        raw_advantages = returns - values
+        sums = {
+            "targets/responses": float(self.token_mask.shape[0]),
+            "targets/tokens": float(valid.sum()),
+            "targets/values": float(values.sum()),
+            "targets/returns": float(returns.sum()),
+            "targets/returns_squared": float((returns**2).sum()),
+            "targets/advantages": float(raw_advantages.sum()),
+            "targets/advantages_squared": float((raw_advantages**2).sum()),
+        }
+        if self.kl is not None:
+            sums["targets/kl"] = float(self.kl[valid].double().sum())
+        if self.kl_coef is not None:  # a mean over responses gives the coefficient back
+            sums["targets/kl_coef"] = self.kl_coef * self.token_mask.shape[0]
+        return sums
 
 
 @register
@@ -72,7 +89,7 @@ class PPOStrategy(OnlineStrategy):
     engine_parts = ("policy", "critic")
     required_parts = ("policy", "critic")
 
-    def setup(self, run) -> None:
+    def setup(self, run: Run) -> None:
         super().setup(run)
         settings = self.job.rl
         self.critic = run.engines["critic"]
@@ -95,8 +112,13 @@ class PPOStrategy(OnlineStrategy):
         )
         return ("policy",)
 
-    def trains_policy(self, step: int) -> bool:
-        return step > self.job.critic.warmup_rollouts
+    def trains_part(self, part: str, step: int) -> bool:
+        return part != "policy" or step > self.job.critic.warmup_rollouts
+
+    def part_loss(self, part: str, engine, batch: dict, normalizer: float) -> StepOutput:
+        if part == "critic":
+            return self.compute_critic_loss(engine, batch, normalizer)
+        return super().part_loss(part, engine, batch, normalizer)
 
     def checkpoint_meta(self) -> dict:
         return {**super().checkpoint_meta(), "critic": self.critic_source}
@@ -110,8 +132,8 @@ class PPOStrategy(OnlineStrategy):
 
     # ----------------------------------------------------------------------------- frozen targets
 
-    def frozen_targets(self, rollout: RolloutResult) -> dict[str, torch.Tensor]:
-        """Everything the losses read, computed once per rollout and pinned on it: values, advantages,
+    def frozen_targets(self, rollout: RolloutResult) -> PPOTargets:
+        """Everything the losses read, computed once per rollout and fixed for its replay: values, advantages,
         returns [N, R] (plus the sequences, behaviour and, with the KL in the loss, reference log-probs)."""
         settings = self.job.rl
         self.score(rollout)
@@ -124,15 +146,15 @@ class PPOStrategy(OnlineStrategy):
         rewards = kl_shaped_rewards(self.sequence_scores(rollout.rewards), kl, mask, shaping)
         advantages, returns = compute_gae(rewards, values, mask, settings.gamma, settings.gae_lambda)
         if settings.whiten_advantages:
-            advantages = global_standardize(advantages, mask, self.dist.device)
-        rollout.values, rollout.advantages, rollout.returns = values, advantages, returns
-        if self.reference is not None:
-            rollout.kl_coef = coefficient
-            rollout.kl = kl if settings.kl_in_reward else None  # in the loss, the `kl` metric comes from the loss
+            advantages = global_standardize(advantages, mask, self.sum_over_ranks)
         self.loss_kl_coef = coefficient
         self.update_kl_coefficient(kl, mask)
         targets.update(values=values, advantages=advantages, returns=returns)
-        return targets
+        pinned = PPOTargets(targets, token_mask=rollout.response_mask)
+        if self.reference is not None:
+            pinned.kl_coef = coefficient
+            pinned.kl = kl if settings.kl_in_reward else None  # in the loss, the `kl` metric comes from the loss
+        return pinned
 
     def reference_kl(self, targets: dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-token KL estimate (rl.kl_estimator) of the behaviour policy against the reference [N, R], 0 on
@@ -160,16 +182,14 @@ class PPOStrategy(OnlineStrategy):
         if self.job.rl.reward_clip is not None:
             scores = scores.clamp(-self.job.rl.reward_clip, self.job.rl.reward_clip)
         if self.job.rl.reward_normalization == "batch":
-            scores = global_standardize(scores, torch.ones_like(scores, dtype=torch.bool), self.dist.device)
+            scores = global_standardize(scores, torch.ones_like(scores, dtype=torch.bool), self.sum_over_ranks)
         return scores
 
     def update_kl_coefficient(self, kl: torch.Tensor, mask: torch.Tensor) -> None:
         """Adaptive KL: the step's KL per response (summed over its tokens), averaged over every rank's responses."""
         if self.reference is None or self.job.rl.target_kl is None:
             return
-        kl_sum, responses = all_reduce_sums(
-            [float(masked_sum(kl.double(), mask)), float(mask.shape[0])], self.dist.device
-        )
+        kl_sum, responses = self.sum_over_ranks([float(masked_sum(kl.double(), mask)), float(mask.shape[0])])
         self.kl_controller.update(kl_sum / max(responses, 1.0), int(responses))
 
     # ----------------------------------------------------------------------------- losses
@@ -201,7 +221,7 @@ class PPOStrategy(OnlineStrategy):
             loss = loss - settings.entropy_coef * self._aggregate(entropy, mask, normalizer)
         tokens = float(mask.sum())
         sums = {
-            "policy_loss": float(policy_loss.detach()) * normalizer,
+            "policy_loss": self.unit_sum(policy_loss, normalizer),
             "clip_frac": float(surrogate.clip_fraction) * tokens,
             "approx_kl": float(surrogate.approx_kl) * tokens,
             "entropy": float(masked_sum(entropy.detach(), mask)),
@@ -212,7 +232,7 @@ class PPOStrategy(OnlineStrategy):
             kl = kl_estimate(logprobs, batch["reference_logprobs"], kind, max_log_ratio=settings.kl_max_log_ratio)
             loss = loss + self.loss_kl_coef * self._aggregate(kl, mask, normalizer)
             sums["kl"] = float(masked_sum(kl.detach(), mask))
-        sums["loss"] = float(loss.detach()) * normalizer
+        sums["loss"] = self.unit_sum(loss, normalizer)
         loss = loss + self.router_aux_loss(policy, output, self.loss_weight(batch), normalizer, sums, tokens)
         return StepOutput(loss, sums)
 
@@ -231,7 +251,7 @@ class PPOStrategy(OnlineStrategy):
         )
         loss = regression.loss
         sums = {
-            "value_loss": float(loss.detach()) * normalizer,
+            "value_loss": self.unit_sum(loss, normalizer),
             "value_clip_frac": float(regression.clip_fraction) * float(mask.sum()),
         }
         return StepOutput(settings.vf_coef * loss, sums)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from astrai.engine import FrozenEngine, make_frozen_engine, zero3_loading
-from astrai.models.checkpoint_weights import load_checkpoint_weights
+from astrai.init_from_checkpoint import load_checkpoint_weights
 from astrai.models.policy import build_policy
 
 

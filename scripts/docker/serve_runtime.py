@@ -62,7 +62,8 @@ def serve_variables(document: dict, job_file: Path) -> dict[str, str | None]:
         )
         if not scalars:
             raise JobFileError(
-                f"{job_file}: serve.extra_args: expected a list of arguments like ['--max-model-len', 4096], got {extra_args!r}"
+                f"{job_file}: serve.extra_args: expected a list of arguments like ['--max-model-len', 4096], got "
+                f"{extra_args!r}"
             )
         # One string, quoted for the server's `sh -c 'eval set -- ...'`, so each argument arrives intact.
         variables["SERVE_EXTRA_ARGS"] = shlex.join(str(argument) for argument in extra_args)

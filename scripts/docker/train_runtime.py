@@ -66,7 +66,8 @@ def infra_variables(document: dict, job_file: Path) -> dict[str, str | None]:
     if job_name is not None:
         if not _JOB_NAME.match(job_name):
             raise JobFileError(
-                f"{job_file}: infra.job_name: {job_name!r} must be letters, digits, '.', '_' or '-' (it names containers)"
+                f"{job_file}: infra.job_name: {job_name!r} must be letters, digits, '.', '_' or '-' (it names "
+                "containers)"
             )
         variables["TRAIN_JOB_NAME"] = job_name
     for key, variable in PATH_VARIABLES.items():
@@ -154,15 +155,17 @@ def plan(document: dict, job_file: Path | None, environ: dict, env_file: dict, *
 
 
 def check_devices_all(variables: dict, env_file: dict, job_file: Path | None) -> None:
-    """`gpu.devices: all` can only unset the shell's CUDA_VISIBLE_DEVICES; one in .env.train would still reach compose."""
+    """`gpu.devices: all` can only unset the shell's CUDA_VISIBLE_DEVICES; one in .env.train would still
+    reach compose."""
     if (
         "CUDA_VISIBLE_DEVICES" in variables
         and variables["CUDA_VISIBLE_DEVICES"] is None
         and env_file.get("CUDA_VISIBLE_DEVICES")
     ):
         raise JobFileError(
-            f"{job_file}: infra.gpu.devices: `all`, but the env file sets CUDA_VISIBLE_DEVICES={env_file['CUDA_VISIBLE_DEVICES']}, "
-            "which compose would pass on: remove it there, or list the devices in the job YAML"
+            f"{job_file}: infra.gpu.devices: `all`, but the env file sets "
+            f"CUDA_VISIBLE_DEVICES={env_file['CUDA_VISIBLE_DEVICES']}, which compose would pass on: remove it there, "
+            "or list the devices in the job YAML"
         )
 
 
@@ -176,8 +179,9 @@ def launch_plan(document: dict, job_file: Path, effective) -> dict[str, str]:
     for key, value in (("output_dir", output_dir), ("export.hf_dir", export_dir)):
         if value is not None and not is_under(str(value), CONTAINER_OUTPUT):
             raise JobFileError(
-                f"{job_file}: {key}: {value!r} is not under {CONTAINER_OUTPUT}, where the container mounts infra.checkpoint_dir; "
-                f"anything written elsewhere is lost with the container (use e.g. {CONTAINER_OUTPUT}/<job name>)"
+                f"{job_file}: {key}: {value!r} is not under {CONTAINER_OUTPUT}, where the container mounts "
+                "infra.checkpoint_dir; anything written elsewhere is lost with the container (use e.g. "
+                f"{CONTAINER_OUTPUT}/<job name>)"
             )
     train_type = section(document, "train", job_file).get("train_type")
     result = {

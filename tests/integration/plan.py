@@ -55,7 +55,8 @@ model:
 tokenizer:
   build: {{kind: char}}
 data: {{path: {folder}/sft.jsonl, max_seq_len: 32}}
-train: {{train_type: sft, max_steps: 120, micro_batch_size: 8, lr: 5e-3, lr_schedule: constant, warmup_steps: 0, seed: 7}}
+train: {{train_type: sft, max_steps: 120, micro_batch_size: 8, lr: 5e-3, lr_schedule: constant, warmup_steps: 0,
+         seed: 7}}
 deepspeed: {{zero_stage: 2}}
 runtime: {{progress_bar: false, tensorboard: false}}
 export: {{hf_dir: {folder}/sft_hf, on_finish: true}}

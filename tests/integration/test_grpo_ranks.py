@@ -28,7 +28,8 @@ data: {{path: {folder}/prompts.jsonl, max_seq_len: 32}}
 rollout: {{prompts_per_step: 16, group_size: 8, max_new_tokens: 4}}
 rl: {{kl_coef: 0.04}}
 reward: {{function: "astrai.rollout.rewards:arithmetic_exact_match"}}
-train: {{train_type: grpo, max_steps: 100, micro_batch_size: 16, grad_accum_steps: 4, lr: 3e-4, lr_schedule: constant, warmup_steps: 0, seed: 7}}
+train: {{train_type: grpo, max_steps: 100, micro_batch_size: 16, grad_accum_steps: 4, lr: 3e-4, lr_schedule: constant,
+         warmup_steps: 0, seed: 7}}
 deepspeed: {{zero_stage: 2}}
 runtime: {{progress_bar: false, tensorboard: false}}
 """

@@ -36,7 +36,10 @@ def write_two_node_job(folder: Path) -> str:
         "runtime:\n", f"runtime:\n  environment: {json.dumps(ENVIRONMENT)}\n"
     )
     text += "checkpoint:\n  every_steps: 2\n"
-    text += f"infra:\n  launcher: no_ssh\n  nodes: [{{host: 127.0.0.1, slots: 1}}, {{host: 127.0.0.2, slots: 1}}]\n  master_addr: 127.0.0.1\n  master_port: {free_port()}\n"
+    text += (
+        "infra:\n  launcher: no_ssh\n  nodes: [{host: 127.0.0.1, slots: 1}, {host: 127.0.0.2, slots: 1}]\n"
+        f"  master_addr: 127.0.0.1\n  master_port: {free_port()}\n"
+    )
     path = folder / "job.yaml"
     path.write_text(text)
     return str(path)

@@ -25,7 +25,8 @@ from tests.integration.plan import arithmetic_sft_run, launch_plan, metrics
 
 pytestmark = pytest.mark.slow
 
-# 2 ranks x 8 prompts x 8 responses; 64 per rank = 2 minibatches of 16 x 2: two policy and two critic updates per rollout.
+# 2 ranks x 8 prompts x 8 responses; 64 per rank = 2 minibatches of 16 x 2: two policy and two critic updates per
+# rollout.
 PPO_JOB = """\
 output_dir: {folder}/{name}
 model: {{path: {folder}/sft_hf}}
@@ -34,7 +35,8 @@ rollout: {{prompts_per_step: 16, group_size: 8, max_new_tokens: 4}}
 rl: {{kl_coef: 0.05, kl_estimator: k1}}
 reward: {{function: "astrai.rollout.rewards:arithmetic_exact_match"}}
 critic: {{lr: 2e-3}}
-train: {{train_type: online_ppo, max_steps: {steps}, micro_batch_size: 16, grad_accum_steps: 2, lr: 5e-4, lr_schedule: constant, warmup_steps: 0, seed: 7}}
+train: {{train_type: online_ppo, max_steps: {steps}, micro_batch_size: 16, grad_accum_steps: 2, lr: 5e-4,
+         lr_schedule: constant, warmup_steps: 0, seed: 7}}
 deepspeed: {{zero_stage: 2}}
 runtime: {{progress_bar: false, tensorboard: false}}
 """

@@ -188,7 +188,7 @@ def history(tmp_path_factory):
             + json.dumps({"step": ahead_of + 1, "loss": -1.0})
             + "\n"
         )
-        log.write('{"step": %d, "lo' % (ahead_of + 2))
+        log.write(f'{{"step": {ahead_of + 2}, "lo')
     resumed_code, resumed_log = job.run("checkpoint.async_save=true")  # the reference below saves synchronously
     resumed_hidden = list_hidden(job.checkpoints)
     shutil.move(job.metrics, job.folder / "resumed_metrics.jsonl")
@@ -272,7 +272,10 @@ def test_verify_on_load_finds_a_flipped_byte_and_falls_back_to_the_previous_chec
     code, log, bad_file, checkpoint = history["fallback"]
     assert code == 0, log[-3000:]
     previous = job.checkpoints / f"step_{MAX_STEPS - 1:08d}"
-    damaged = f"checkpoint {checkpoint} is damaged (checkpoint {checkpoint} is not valid: wrong digest: {checkpoint}/{bad_file}"
+    damaged = (
+        f"checkpoint {checkpoint} is damaged (checkpoint {checkpoint} is not valid: "
+        f"wrong digest: {checkpoint}/{bad_file}"
+    )
     assert damaged in log, log[-3000:]
     assert f"resumed from the previous valid checkpoint {previous} instead" in log
     assert f"resumed from {previous} at step {MAX_STEPS - 1}" in log

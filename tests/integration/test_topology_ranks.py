@@ -42,7 +42,7 @@ def convert_tool(checkpoint, *extra, kill_mid_write=False) -> subprocess.Complet
     """`python -m astrai convert`; with kill_mid_write the process SIGKILLs itself once the first file is written."""
     if kill_mid_write:
         code = (
-            "import os, signal, sys; from astrai import portable, topology\n"
+            "import os, signal, sys; from astrai.resume import portable, topology\n"
             "real = portable.save_file\n"
             "def die(tensors, path):\n    real(tensors, path); os.kill(os.getpid(), signal.SIGKILL)\n"
             f"portable.save_file = die; sys.exit(topology.convert_main([{str(checkpoint)!r}]))\n"
@@ -156,11 +156,14 @@ def test_conversion_is_logged_with_the_rules(runs):
     log = (folder / "launch.log").read_text()  # the last launch: 2 ranks -> 1
     assert "resuming on a different topology (world size 2 -> 1; policy ZeRO-2 -> ZeRO-0)" in log
     data_rule = (
-        "data position: continuing from global sample count 32 (rule: the global sample count carries over, rounded up to "
-        "this run's global micro-batch of {global_} samples = {per_rank} per rank x world size {after}; world size {before} -> {after}, "
-        "train.micro_batch_size {saved} -> {per_rank}, 32 samples consumed)"
+        "data position: continuing from global sample count 32 (rule: the global sample count carries over, rounded "
+        "up to this run's global micro-batch of {global_} samples = {per_rank} per rank x world size {after}; world "
+        "size {before} -> {after}, train.micro_batch_size {saved} -> {per_rank}, 32 samples consumed)"
     )
-    rng_rule = "RNG reseeded per rank from (seed, step, rank): world size changed ({before} -> {after}) (rule: per-rank RNG state cannot carry over; python random, numpy and torch"
+    rng_rule = (
+        "RNG reseeded per rank from (seed, step, rank): world size changed ({before} -> {after}) "
+        "(rule: per-rank RNG state cannot carry over; python random, numpy and torch"
+    )
     assert log.count(data_rule.format(global_=8, per_rank=8, before=2, after=1, saved=4)) == 1
     assert log.count(rng_rule.format(before=2, after=1)) == 1
     # The 2-rank launch: w1 -> w2z3 changed world size and micro-batch; z3 -> z2 changed neither (no rule to state).

@@ -46,7 +46,11 @@ def test_expected_zero_fractions():
 def test_launch_times_progress_fragments_on_arrival():
     from benchmarks.common import launch
 
-    code = "import sys, time\nfor i in range(3):\n    sys.stderr.write('\\rbar %d' % i); sys.stderr.flush(); time.sleep(0.3)\nsys.stderr.write('\\n')\nprint('done')"
+    code = (
+        "import sys, time\nfor i in range(3):\n"
+        "    sys.stderr.write('\\rbar %d' % i); sys.stderr.flush(); time.sleep(0.3)\n"
+        "sys.stderr.write('\\n')\nprint('done')"
+    )
     result = launch([sys.executable, "-c", code], env=child_env())
     times = {text: t for t, text in result.lines}
     assert result.returncode == 0 and set(times) >= {"bar 0", "bar 1", "bar 2"}

@@ -42,7 +42,7 @@ def test_every_error_astrai_defines_is_in_the_family():
 def test_the_family_keeps_the_builtin_bases_callers_catch():
     from astrai.checkpoint import CheckpointError
     from astrai.engine.ds_config import DeepSpeedConfigError
-    from astrai.portable import PortableError
+    from astrai.resume.portable import PortableError
 
     assert issubclass(CheckpointError, RuntimeError) and issubclass(DeepSpeedConfigError, ValueError)
     assert issubclass(PortableError, ValueError) and issubclass(PortableError, AstraiError)

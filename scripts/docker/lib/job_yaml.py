@@ -2,7 +2,7 @@
 
 GPU hosts run scripts/train.sh and scripts/serve.sh without AstrAI installed, so nothing here may
 import astrai, pydantic or torch. Two things of astrai/config are therefore mirrored, and
-tests/unit/test_docker_runtime.py keeps them in step with the originals:
+tests/unit/docker/test_runtime.py keeps them in step with the originals:
 - the YAML 1.2 scalar rules of astrai/config/loader.py (`2e-5` is a float, `on` is a string), so a
   value renders here exactly as the trainer renders it;
 - the keys of InfraConfig and GpuConfig (astrai/config/schema.py), so a typo fails here, before any
@@ -128,7 +128,8 @@ def parse_gpu(infra: dict, source: Path | str) -> tuple[list[int] | str | None, 
         )
         if not valid:
             raise JobFileError(
-                f"{source}: infra.gpu.devices: expected `all` or a list of distinct GPU indices like [0, 1, 2, 3], got {devices!r}"
+                f"{source}: infra.gpu.devices: expected `all` or a list of distinct GPU indices like [0, 1, 2, 3], "
+                f"got {devices!r}"
             )
     count = gpu.get("count")
     if count is not None:

@@ -1,0 +1,86 @@
+"""What one run is made of (`Run`) and the one owner of its data position (`DataStream`).
+
+Low in the import graph on purpose: the strategies receive a `Run` in `setup` and the loops and
+checkpointing read it, so it must not import build.py (which imports the strategies) or the loops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import datasets
+
+from astrai.config import JobConfig
+from astrai.data.sampler import ShardedOrder
+from astrai.engine import DistInfo, Engine
+
+if TYPE_CHECKING:  # the strategies import this module; at run time Run needs no Strategy
+    from astrai.strategies.base import Strategy
+
+
+class DataStream:
+    """The run's one data order and the position in it: the global count of samples drawn (every rank's).
+
+    Offline a draw is one micro-batch per rank (train.micro_batch_size rows); online it is one step's
+    prompts per rank (`Strategy.rows_per_draw`). Drawing advances the position, so the position a
+    checkpoint saves (`state_dict`) is exactly what was drawn, and `load_state_dict` puts the next draw on
+    the first sample not yet seen, whichever loop reads it."""
+
+    def __init__(self, dataset: datasets.Dataset, order: ShardedOrder):
+        self.dataset = dataset
+        self.order = order
+        self.consumed_samples = 0
+
+    @property
+    def samples_per_draw(self) -> int:
+        """Global samples one draw takes (rows per rank x world size): the unit a position is aligned to."""
+        return self.order.samples_per_micro_step
+
+    @property
+    def epoch(self) -> int:
+        return self.order.epoch_of(self.consumed_samples)
+
+    def batches(self) -> Iterator[list[dict]]:
+        """This rank's rows of each draw from the current position on, forever; each draw moves the position
+        past every rank's share of it."""
+        for indices in self.order.micro_batches(self.consumed_samples):
+            self.consumed_samples += self.samples_per_draw
+            yield [self.dataset[index] for index in indices]
+
+    def state_dict(self) -> dict[str, int]:
+        """The position as trainer_state.json records it (`consumed_samples`, and the `epoch` it falls in)."""
+        return {"consumed_samples": self.consumed_samples, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state["consumed_samples"]` (already aligned to `samples_per_draw` by the resume)."""
+        self.consumed_samples = int(state["consumed_samples"])
+
+
+@dataclass
+class Run:
+    """Everything `build_run` makes for one job; the strategy's `setup`, the loops and checkpointing read it."""
+
+    job: JobConfig
+    dist: DistInfo
+    output_dir: Path
+    tokenizer: object  # a transformers tokenizer (slow or fast)
+    strategy: Strategy
+    data: DataStream
+    total_steps: int
+    engines: dict[str, Engine]
+    skipped_rows: int
+
+    @property
+    def dataset(self) -> datasets.Dataset:
+        return self.data.dataset
+
+    @dataset.setter
+    def dataset(self, dataset: datasets.Dataset) -> None:  # dpo's precomputed reference log-probs replace it
+        self.data.dataset = dataset
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.job.train.micro_batch_size * self.job.train.grad_accum_steps * self.dist.world_size
