@@ -188,11 +188,14 @@ def critic_skeleton(job, tokenizer):
 
 
 def policy_skeleton(job, model, tokenizer):
-    """The module the job's policy engine trained, from its causal LM skeleton (`Strategy.policy_module`)."""
-    from astrai.strategies import strategy_class
+    """The module the job's policy engine trained, from its causal LM skeleton: the model itself, or for `rm`
+    its trunk under the scalar head (as `RewardModelStrategy.policy_module` builds it)."""
+    if job.train.train_type != "rm":
+        return model
+    from astrai.models.reward import reward_model_of
 
     with torch.device("meta"):
-        return strategy_class(job.train.train_type).policy_module(model, tokenizer)
+        return reward_model_of(model, tokenizer)
 
 
 def tied_aliases(model) -> dict[str, str]:
@@ -450,7 +453,7 @@ def export_checkpoint(
             load_weights(model, prepare_state(state, model, DTYPES[dtype]), DTYPES[dtype])
         finish = None
         if part == "policy" and job.train.train_type == "rm":  # a sequence classifier, and its reward statistics
-            from astrai.strategies.reward_model import export_classifier
+            from astrai.reward_export import export_classifier
 
             model, finish = export_classifier(model, job, tokenizer)
         elif part == "policy":

@@ -64,6 +64,13 @@ class RewardModel(nn.Module):
         self.trunk.tie_weights()
 
 
+def reward_model_of(causal_lm: nn.Module, tokenizer) -> RewardModel:
+    """The module `rm` trains: `causal_lm`'s trunk (as online_ppo's critic takes it) under a zero scalar head."""
+    from astrai.models.value import trunk_of
+
+    return RewardModel(trunk_of(causal_lm), tokenizer.pad_token_id)
+
+
 def classifier_head(classifier: nn.Module) -> nn.Linear:
     """The one scalar Linear of a transformers sequence classifier outside its base model (`score` for
     Llama/Qwen2/GPT-2, ...); a ValueError when there is not exactly one."""
