@@ -12,8 +12,8 @@ import numpy
 import torch
 
 from astrai.config import JobConfig, resolve_template
-from astrai.data.sampler import ShardedOrder
 from astrai.data.sources import iter_texts, load_rows
+from astrai.data.token_order import make_order
 from astrai.engine import (
     DistInfo,
     Engine,
@@ -26,6 +26,7 @@ from astrai.engine import (
 )
 from astrai.init_from_checkpoint import load_checkpoint_weights
 from astrai.models.policy import build_policy
+from astrai.models.segment_attention import check_packing_job, use_segment_attention
 from astrai.models.tokenizer import (
     TOKENIZER_DIR,
     TokenizerError,
@@ -152,6 +153,8 @@ def build_critic(job: JobConfig, dist: DistInfo, source: str, tokenizer, steps: 
     )
     with zero3_loading(ds_config, job.model.zero3_init and (critic.path or job.model.path) is not None):
         model = build_value_model(job.model, tokenizer, train.seed, critic.path)
+    if job.rl.packing:  # its packed forwards run sdpa one row at a time, as the policy's
+        use_segment_attention(model.trunk)
     warmup = critic.warmup_steps if critic.warmup_steps is not None else warmup_steps(job, steps)
     schedule = lr_lambda(steps * updates, warmup * updates, critic.lr_schedule or train.lr_schedule, train.min_lr_ratio)
     weight_decay = critic.weight_decay if critic.weight_decay is not None else train.weight_decay
@@ -184,16 +187,21 @@ def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
     dataset, skipped = prepare_dataset(strategy, rows, dist.is_main)
     if skipped:
         logger.warning("skipped %d malformed rows (data.on_bad_row: skip)", skipped)
-    # The run's one data order: what one draw takes per rank is the strategy's (a micro-batch, or a step's prompts).
-    per_draw = strategy.rows_per_draw(dist.world_size)
-    order = ShardedOrder(len(dataset), per_draw, dist.world_size, dist.rank, job.train.seed, job.data.shuffle)
-    steps = total_steps(
-        job, order.samples_per_epoch, job.train.micro_batch_size * job.train.grad_accum_steps * dist.world_size
-    )
+    # The run's one data order: what one draw takes per rank is the strategy's (a micro-batch, or a step's prompts);
+    # with data.packing a step's micro-batches are cut by tokens (TokenBalancedOrder).
+    order = make_order(job, dataset, dist, strategy.rows_per_draw(dist.world_size))
+    if job.data.packing:
+        steps = job.train.max_steps or order.steps_for_epochs(job.train.epochs)
+    else:
+        steps = total_steps(
+            job, order.samples_per_epoch, job.train.micro_batch_size * job.train.grad_accum_steps * dist.world_size
+        )
     ds_config = engine_config(
         job, source, lr=job.train.lr, max_grad_norm=job.train.max_grad_norm, world_size=dist.world_size
     )
-    model = strategy.policy_module(build_policy_model(job, ds_config, tokenizer), tokenizer)
+    model = build_policy_model(job, ds_config, tokenizer)
+    check_packing_job(job, model)
+    model = strategy.policy_module(model, tokenizer)  # rm: the trunk under a scalar head
     # DeepSpeed steps the schedule once per optimizer update; an online step (one rollout) makes several.
     # The policy does not step during online_ppo's critic warmup rollouts, so its schedule spans the rest.
     updates = strategy.optimizer_steps_per_step(dist.world_size)

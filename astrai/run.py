@@ -15,6 +15,7 @@ import datasets
 
 from astrai.config import JobConfig
 from astrai.data.sampler import ShardedOrder
+from astrai.data.token_order import TokenBalancedOrder
 from astrai.engine import DistInfo, Engine
 
 if TYPE_CHECKING:  # the strategies import this module; at run time Run needs no Strategy
@@ -29,7 +30,7 @@ class DataStream:
     checkpoint saves (`state_dict`) is exactly what was drawn, and `load_state_dict` puts the next draw on
     the first sample not yet seen, whichever loop reads it."""
 
-    def __init__(self, dataset: datasets.Dataset, order: ShardedOrder):
+    def __init__(self, dataset: datasets.Dataset, order: ShardedOrder | TokenBalancedOrder):
         self.dataset = dataset
         self.order = order
         self.consumed_samples = 0
@@ -49,6 +50,14 @@ class DataStream:
         for indices in self.order.micro_batches(self.consumed_samples):
             self.consumed_samples += self.samples_per_draw
             yield [self.dataset[index] for index in indices]
+
+    def steps(self, accumulation: int) -> Iterator[list[list[dict]]]:
+        """The offline loop's draws: this rank's rows of each step's `accumulation` micro-batches from the
+        current position on (with data.packing cut by tokens, `TokenBalancedOrder`); each step moves the
+        position past every rank's rows of it."""
+        for micro_batches, taken in self.order.steps(self.consumed_samples, accumulation):
+            self.consumed_samples += taken
+            yield [[self.dataset[index] for index in micro] for micro in micro_batches]
 
     def state_dict(self) -> dict[str, int]:
         """The position as trainer_state.json records it (`consumed_samples`, and the `epoch` it falls in)."""

@@ -148,13 +148,13 @@ def train_offline(run: Run) -> TrainerState:
         tensorboard=job.runtime.tensorboard,
         progress_bar=job.runtime.progress_bar,
     )
-    batches = run.data.batches()  # from the resumed position; each draw advances it
+    steps = run.data.steps(accumulation)  # from the resumed position; token-balanced with data.packing
     run_started = time.perf_counter() - state.elapsed_s
     policy.train()
     try:
         for step in range(state.step + 1, run.total_steps + 1):
             step_started = time.perf_counter()
-            micro_batches = [strategy.collate(next(batches)) for _ in range(accumulation)]
+            micro_batches = [strategy.collate(rows) for rows in next(steps)]
             lr = policy.lr
             sums = offline_update(run, micro_batches)
             state.step, state.policy_version = step, step

@@ -128,6 +128,17 @@ class DataConfig(Section):
     )
     num_proc: int = Field(1, ge=1, description="Processes for tokenisation (`datasets.map`).")
     shuffle: bool = Field(True, description="Shuffle each epoch (deterministic for `train.seed` and the epoch).")
+    packing: bool = Field(
+        False,
+        description="`sft`, `dpo`: padding-free micro-batches. Rows (a dpo pair as one) are concatenated into one row "
+        "of up to `train.micro_batch_tokens` tokens, positions restart at every row and attention never crosses "
+        "one; the sampler balances tokens across ranks (docs/guides/training.md, Packing).",
+    )
+    document_mask: bool = Field(
+        False,
+        description="`seq`: documents inside a packed block stop attending to each other (positions restart after "
+        "every EOS; a document's first token is not predicted from the one before). false: they attend across.",
+    )
 
 
 class TrainConfig(Section):
@@ -138,6 +149,12 @@ class TrainConfig(Section):
     epochs: float | None = Field(None, gt=0, description="Passes over the data; converted to steps from the data size.")
     micro_batch_size: int = Field(1, ge=1, description="Samples per rank per forward/backward.")
     grad_accum_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    micro_batch_tokens: int = Field(
+        4096,
+        ge=8,
+        description="With `data.packing`: the token budget of one packed micro-batch (replaces micro_batch_size); "
+        "every row must fit in it (a dpo pair: chosen + rejected).",
+    )
     lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate as a fraction of `lr`.")
     lr_schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
@@ -458,6 +475,11 @@ class OverlongPenalty(Section):
 
 
 class RlConfig(Section):
+    packing: bool = Field(
+        False,
+        description="Padding-free forwards of the policy, reference and critic (grpo, online_ppo): each "
+        "micro-batch's sequences run as one packed row without their padding; the losses are unchanged.",
+    )
     epochs_per_rollout: int = Field(
         1,
         ge=1,
@@ -797,6 +819,24 @@ class JobConfig(Section):
         default_factory=CriticConfig,
         description="The value model of `online_ppo`: starting weights, optimizer, clipping, ZeRO stage, warmup.",
     )
+
+    @model_validator(mode="after")
+    def _packing_train_types(self) -> JobConfig:
+        train_type = self.train.train_type
+        if self.data.packing and train_type not in ("sft", "dpo"):
+            raise ValueError(
+                f"`data.packing` is for sft and dpo, not {train_type}"
+                + (
+                    " (seq blocks have no padding; `data.document_mask` isolates their documents)"
+                    if train_type == "seq"
+                    else " (use `rl.packing`)"
+                )
+            )
+        if self.data.document_mask and train_type != "seq":
+            raise ValueError(f"`data.document_mask` is for seq, not {train_type}")
+        if self.rl.packing and train_type not in ("grpo", "online_ppo"):
+            raise ValueError(f"`rl.packing` is for grpo and online_ppo, not {train_type} (use `data.packing`)")
+        return self
 
     @model_validator(mode="after")
     def _online_sections(self) -> JobConfig:

@@ -55,3 +55,10 @@ class ShardedOrder:
                 own = start + self.rank * self.micro_batch_size
                 yield order[own : own + self.micro_batch_size]
             epoch, position = epoch + 1, 0
+
+    def steps(self, consumed_samples: int = 0, accumulation: int = 1) -> Iterator[tuple[list[list[int]], int]]:
+        """This rank's `accumulation` micro-batches of every step from `consumed_samples` on, and the samples
+        (all ranks) each step consumes: the loop's view, shared with data.packing's TokenBalancedOrder."""
+        batches = self.micro_batches(consumed_samples)
+        while True:
+            yield [next(batches) for _ in range(accumulation)], self.samples_per_micro_step * accumulation

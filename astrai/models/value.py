@@ -74,10 +74,16 @@ class ValueModel(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        **attention_keywords,
     ) -> torch.Tensor:
-        """input_ids, attention_mask, position_ids: [batch, seq_len]. Returns values [batch, seq_len] float32."""
+        """input_ids, attention_mask, position_ids: [batch, seq_len]. Returns values [batch, seq_len] float32.
+        attention_keywords: a packed row's boundaries for the trunk's attention (rl.packing, rollout/packed.py)."""
         hidden = self.trunk(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            **attention_keywords,
         ).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()
 

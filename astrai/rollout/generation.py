@@ -212,6 +212,7 @@ def generate_rollout(
     policy_version: int,
     logprob_batch_size: int,
     behaviour_logprobs: bool = True,
+    packed: bool = False,
 ) -> RolloutResult:
     """Sample `settings.group_size` responses to each prompt and take their behaviour log-probs (recomputed
     by the engine's forward, or kept from the sampler: `settings.behaviour_logprobs`, see
@@ -221,7 +222,8 @@ def generate_rollout(
     and a forward); prompt_ids: this rank's prompts as token lists (chat template applied);
     messages, rows: per prompt, handed on to the rewards. settings: the `rollout:` config section.
     Every rank must call this with the same number of prompts under ZeRO-3. behaviour_logprobs=False
-    takes none (the result's behaviour_logprobs is None).
+    takes none (the result's behaviour_logprobs is None). packed (rl.packing): the recomputing forward runs
+    without the padding (rollout/packed.py).
     """
     group = settings.group_size
     device = engine.device
@@ -250,6 +252,7 @@ def generate_rollout(
             temperature=settings.temperature,
             batch_size=logprob_batch_size,
             vocab_size=len(tokenizer),
+            packed=packed,
         )
     prompt_texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
     response_texts = [

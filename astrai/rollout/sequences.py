@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from astrai.algos.logprobs import real_vocabulary, token_logprobs
+from astrai.rollout.packed import packed_response_forward, packed_response_values
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,14 +80,23 @@ def join_sequences(
 
 
 def response_logits(
-    model, sequences: dict[str, torch.Tensor], temperature: float = 1.0, vocab_size: int | None = None
+    model,
+    sequences: dict[str, torch.Tensor],
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+    packed: bool = False,
 ) -> torch.Tensor:
     """`response_forward`'s logits [N, R, vocab]."""
-    return response_forward(model, sequences, temperature, vocab_size)[0]
+    return response_forward(model, sequences, temperature, vocab_size, packed=packed)[0]
 
 
 def response_forward(
-    model, sequences: dict[str, torch.Tensor], temperature: float = 1.0, vocab_size: int | None = None, **options
+    model,
+    sequences: dict[str, torch.Tensor],
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+    packed: bool = False,
+    **options,
 ) -> tuple[torch.Tensor, object]:
     """Logits that predict each response token: [N, R, vocab], divided by `temperature`; with `vocab_size`
     (the tokenizer's length) only the first vocab_size ids, those the sampler may draw (a padded model
@@ -97,11 +107,14 @@ def response_forward(
     [N, R]. Dividing by the sampling temperature makes these the log-probs of the distribution the
     tokens were sampled from (as TRL and verl do), so ratios and KL compare like with like.
     Returns (logits, the model's whole output); `options` go to the forward (e.g. output_router_logits).
+    `packed` (rl.packing): the same logits from one forward without the padding (rollout/packed.py).
     """
     response_len = sequences["response_ids"].shape[1]
     prompt_len = sequences["input_ids"].shape[1] - response_len
     inputs = {key: sequences[key] for key in ("input_ids", "attention_mask", "position_ids")}
-    if _keeps_logits(model):  # the LM head over the last R + 1 columns only, not over the whole prompt
+    if packed:
+        logits, output = packed_response_forward(model, sequences, _keeps_logits(model), **options)
+    elif _keeps_logits(model):  # the LM head over the last R + 1 columns only, not over the whole prompt
         output = model(**inputs, **options, logits_to_keep=response_len + 1)
         logits = output.logits[:, :response_len]
     else:
@@ -123,13 +136,16 @@ def _forward_takes_logits_to_keep(model_class: type) -> bool:
     return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
-def response_values(critic, sequences: dict[str, torch.Tensor]) -> torch.Tensor:
+def response_values(critic, sequences: dict[str, torch.Tensor], packed: bool = False) -> torch.Tensor:
     """The critic's value of each response token's state: [N, R] float32, 0 on padding.
 
     `critic` maps input_ids, attention_mask, position_ids [N, P + R] to values [N, P + R] (a
     `ValueModel` or its engine). Like the logits, V_t for response token t is read at column
     P + t - 1: the state in which token t is chosen (the prompt and response tokens before it).
+    `packed` (rl.packing): the same values from one forward without the padding (rollout/packed.py).
     """
+    if packed:
+        return packed_response_values(critic, sequences)
     values = critic(
         input_ids=sequences["input_ids"],
         attention_mask=sequences["attention_mask"],
@@ -149,7 +165,13 @@ def masked_token_logprobs(logits: torch.Tensor, response_ids: torch.Tensor, mask
 
 @torch.no_grad()
 def response_logprobs(
-    model, sequences: dict[str, torch.Tensor], *, temperature: float, batch_size: int, vocab_size: int | None = None
+    model,
+    sequences: dict[str, torch.Tensor],
+    *,
+    temperature: float,
+    batch_size: int,
+    vocab_size: int | None = None,
+    packed: bool = False,
 ) -> torch.Tensor:
     """Per-token log-probs of the responses under `model`, no gradient: [N, R] float32, 0 on padding;
     normalised over the first `vocab_size` ids (see `response_logits`).
@@ -161,19 +183,23 @@ def response_logprobs(
     parts = []
     for start in range(0, total, batch_size):
         chunk = {key: value[start : start + batch_size] for key, value in sequences.items()}
-        logits = response_logits(model, chunk, temperature, vocab_size)
+        logits = response_logits(model, chunk, temperature, vocab_size, packed)
         parts.append(masked_token_logprobs(logits, chunk["response_ids"], chunk["response_mask"]))
     return torch.cat(parts)
 
 
 @torch.no_grad()
-def frozen_response_values(critic, sequences: dict[str, torch.Tensor], *, batch_size: int) -> torch.Tensor:
+def frozen_response_values(
+    critic, sequences: dict[str, torch.Tensor], *, batch_size: int, packed: bool = False
+) -> torch.Tensor:
     """`response_values` without gradient, `batch_size` sequences at a time: [N, R] float32. Under ZeRO-3
     every rank must call it with the same N, as `response_logprobs`."""
     total = sequences["input_ids"].shape[0]
     parts = []
     for start in range(0, total, batch_size):
         parts.append(
-            response_values(critic, {key: value[start : start + batch_size] for key, value in sequences.items()})
+            response_values(
+                critic, {key: value[start : start + batch_size] for key, value in sequences.items()}, packed
+            )
         )
     return torch.cat(parts)

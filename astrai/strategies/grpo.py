@@ -75,6 +75,7 @@ class GrpoStrategy(OnlineStrategy):
                 temperature=self.job.rollout.temperature,
                 batch_size=self.geometry.micro_batch_size,
                 vocab_size=len(self.tokenizer),
+                packed=self.job.rl.packing,
             )
             if not self.kl_in_reward():
                 targets["reference_logprobs"] = reference
@@ -110,7 +111,8 @@ class GrpoStrategy(OnlineStrategy):
         settings, mask = self.job.rl, batch["response_mask"]
         options = self.router_options(policy)  # a mixture of experts returns its load-balancing loss
         temperature, vocab_size = self.job.rollout.temperature, len(self.tokenizer)
-        logits, output = response_forward(policy, batch, temperature, vocab_size, **options)  # [B, R, vocab]
+        packed = self.job.rl.packing
+        logits, output = response_forward(policy, batch, temperature, vocab_size, packed, **options)  # [B, R, vocab]
         logprobs = masked_token_logprobs(logits, batch["response_ids"], mask)
         advantages = batch["advantages"]
         if advantages.dim() == 1:

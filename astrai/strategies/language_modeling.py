@@ -13,6 +13,7 @@ import datasets
 from astrai.algos.cross_entropy import next_token_cross_entropy_sum
 from astrai.data import render_rows, tokenize_rows
 from astrai.data.collate import collate_token_rows
+from astrai.data.packing import document_positions, model_inputs, pack_sequences
 from astrai.data.render import is_text_row, pack_batch, sft_batch
 from astrai.data.sources import Rows
 from astrai.strategies.base import StepOutput, Strategy, register
@@ -22,6 +23,9 @@ class LanguageModelingStrategy(Strategy):
     loop = "offline"
 
     def collate(self, rows: list[dict]) -> dict:
+        """Right-padded [rows, longest], or with `data.packing` one packed row [1, tokens] (data/packing.py)."""
+        if self.job.data.packing:
+            return pack_sequences([row["input_ids"] for row in rows], [row["loss_mask"] for row in rows])
         return collate_token_rows(rows, self.tokenizer.pad_token_id)
 
     def loss_weight(self, batch: dict) -> int:
@@ -36,7 +40,7 @@ class LanguageModelingStrategy(Strategy):
         load-balancing term (`router_aux_loss`); the logged `loss` is the cross-entropy alone.
         """
         options = self.router_options(policy)  # a mixture of experts returns its load-balancing loss
-        output = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **options)
+        output = policy(**model_inputs(batch, policy), **options)
         loss_sum, count = next_token_cross_entropy_sum(output.logits, batch["input_ids"], batch["loss_mask"])
         sums = {"loss": float(loss_sum.detach()), "weight": float(count)}
         router = self.router_aux_loss(policy, output, float(count), normalizer, sums, float(count))
@@ -59,6 +63,15 @@ class SeqStrategy(LanguageModelingStrategy):
             skipped = before - len(rows.dataset)
         function = partial(pack_batch, tokenizer=self.tokenizer, field=field, block_len=self.job.data.max_seq_len)
         return tokenize_rows(rows, function, num_proc=self.job.data.num_proc, description="packing"), skipped
+
+    def collate(self, rows: list[dict]) -> dict:
+        """Blocks [rows, max_seq_len]; with `data.document_mask` positions restart after every EOS, attention
+        stays inside each document and a document's first token is not predicted by the one before it."""
+        batch = collate_token_rows(rows, self.tokenizer.pad_token_id)
+        if self.job.data.document_mask:
+            batch["position_ids"], starts = document_positions(batch["input_ids"], self.tokenizer.eos_token_id)
+            batch["loss_mask"] = batch["loss_mask"].masked_fill(starts, 0)
+        return batch
 
 
 @register

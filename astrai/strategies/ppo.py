@@ -139,7 +139,9 @@ class PPOStrategy(OnlineStrategy):
         self.score(rollout)
         targets = rollout.training_tensors()
         mask = targets["response_mask"]
-        values = frozen_response_values(self.critic, targets, batch_size=self.geometry.micro_batch_size)
+        values = frozen_response_values(
+            self.critic, targets, batch_size=self.geometry.micro_batch_size, packed=settings.packing
+        )
         kl = self.reference_kl(targets)
         coefficient = self.kl_controller.value
         shaping = coefficient if settings.kl_in_reward else 0.0
@@ -169,6 +171,7 @@ class PPOStrategy(OnlineStrategy):
             temperature=self.job.rollout.temperature,
             batch_size=self.geometry.micro_batch_size,
             vocab_size=len(self.tokenizer),
+            packed=settings.packing,
         )
         if not settings.kl_in_reward:
             targets["reference_logprobs"] = reference
@@ -200,7 +203,8 @@ class PPOStrategy(OnlineStrategy):
         settings, mask = self.job.rl, batch["response_mask"]
         options = self.router_options(policy)  # a mixture of experts returns its load-balancing loss
         temperature, vocab_size = self.job.rollout.temperature, len(self.tokenizer)
-        logits, output = response_forward(policy, batch, temperature, vocab_size, **options)  # [B, R, vocab]
+        packed = self.job.rl.packing
+        logits, output = response_forward(policy, batch, temperature, vocab_size, packed, **options)  # [B, R, vocab]
         logprobs = masked_token_logprobs(logits, batch["response_ids"], mask)
         surrogate = ppo_policy_loss(
             logprobs,
@@ -240,7 +244,7 @@ class PPOStrategy(OnlineStrategy):
         """vf_coef x the clipped value loss of the critic's values [B, R] against the pinned returns.
         Logged `value_loss` is before vf_coef (the regression error itself)."""
         settings, mask = self.job.rl, batch["response_mask"]
-        values = response_values(critic, batch)
+        values = response_values(critic, batch, self.job.rl.packing)
         regression = value_loss(
             values,
             batch["values"],

@@ -8,6 +8,7 @@ import torch
 from astrai.engine import FrozenEngine, make_frozen_engine, zero3_loading
 from astrai.init_from_checkpoint import load_checkpoint_weights
 from astrai.models.policy import build_policy
+from astrai.models.segment_attention import use_segment_attention
 
 
 def reference_model(job, tokenizer, ds_config: dict) -> tuple[torch.nn.Module, str]:
@@ -29,4 +30,6 @@ def reference_model(job, tokenizer, ds_config: dict) -> tuple[torch.nn.Module, s
 def build_reference(job, tokenizer, ds_config: dict) -> tuple[FrozenEngine, str]:
     """The reference as a frozen engine sharded like the trainable `ds_config` (the policy's), and its source."""
     model, source = reference_model(job, tokenizer, ds_config)
+    if job.data.packing or job.rl.packing:  # its packed forwards run sdpa one row at a time, as the policy's
+        use_segment_attention(model)
     return make_frozen_engine(model, ds_config), source

@@ -157,3 +157,12 @@ def test_step_overhead_smoke(tmp_path):
     assert {row["baseline"] for row in result["ratios"]} == {"deepspeed", "torch"}
     assert result["zero_stage"] == 0  # AstrAI runs a one-rank ZeRO-2 job as ZeRO-0, and the baseline matches it
     assert all(result["tokens_per_s"][name]["median"] > 0 for name in ("astrai", "astrai+log", "deepspeed", "torch"))
+
+
+@pytest.mark.slow
+def test_packing_smoke(tmp_path):
+    arguments = ["--rows", "40", "--steps", "3", "--warmup", "1", "--hidden", "32", "--layers", "1"]
+    result = run_benchmark("packing.py", tmp_path, *arguments, "--tokens", "2048", "--micro-batch", "2")
+    assert [run["variant"] for run in result["runs"]] == ["padded", "packed"]
+    assert all(run["real_tokens_per_s"] > 0 and run["steps"] == 2 for run in result["runs"])
+    assert result["packed_over_padded"] > 0

@@ -137,6 +137,20 @@ def test_a_tiny_job_is_planned_to_the_byte(tmp_path):
     assert not make_plan(load_job(config), str(config), 1, None, host_memory=plan.host_total - 1).fits
 
 
+def test_a_packed_job_plans_one_row_of_the_token_budget(tmp_path):
+    """data.packing: a micro-batch is one row of train.micro_batch_tokens, as a padded micro-batch of one
+    row that long."""
+    config = write_job(tmp_path)
+    rows = {}
+    for name, overrides in (
+        ("packed", ["data.packing=true", "train.micro_batch_tokens=32"]),
+        ("one_row", ["train.micro_batch_size=1", "data.max_seq_len=32"]),
+    ):
+        rows[name] = by_name(make_plan(load_job(config, overrides), str(config), 1, None, 10**12).rows)
+    assert rows["packed"] == rows["one_row"]
+    assert rows["packed"]["logits + log-softmax"] == (0, 32 * 40 * 8)
+
+
 def test_online_ppo_adds_reference_critic_and_generation_copy(tmp_path):
     config = write_job(
         tmp_path,
