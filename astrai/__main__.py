@@ -17,7 +17,8 @@ import sys
 
 def _plot(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m astrai plot", description="Plot every numeric metric against the step."
+        prog="python -m astrai plot",
+        description="Plot every numeric metric against the step; eval/<name> beside the training <name>.",
     )
     parser.add_argument("output_dir", help="a run's output_dir (or a metrics.jsonl file)")
     parser.add_argument("-o", "--output", default=None, help="PNG path (default: <output_dir>/curves.png)")

@@ -24,9 +24,11 @@ from astrai.engine import (
     resolve_precision,
     zero3_loading,
 )
+from astrai.eval.data import split_eval_data
 from astrai.init_from_checkpoint import load_checkpoint_weights
 from astrai.models.policy import build_policy
 from astrai.models.segment_attention import check_packing_job, use_segment_attention
+from astrai.models.shape import model_hidden_size
 from astrai.models.tokenizer import (
     TOKENIZER_DIR,
     TokenizerError,
@@ -54,7 +56,12 @@ def make_tokenizer(job: JobConfig, rows, output_dir: Path, is_main: bool):
             job.data.chosen_field,
             job.data.rejected_field,
         )
-        tokenizer = build_tokenizer(job.tokenizer.build.kind, iter_texts(rows, fields), job.tokenizer.build.vocab_size)
+        tokenizer = build_tokenizer(
+            job.tokenizer.build.kind,
+            iter_texts(rows, fields),
+            job.tokenizer.build.vocab_size,
+            job.tokenizer.build.fill_vocab,
+        )
         if job.tokenizer.chat_template:
             tokenizer.chat_template = job.tokenizer.chat_template
         keep_run_tokenizer(tokenizer, output_dir / TOKENIZER_DIR, is_main)
@@ -130,6 +137,7 @@ def engine_config(
         eps=job.train.adam_eps,
         zero_stage=zero_stage,
         world_size=world_size,
+        hidden_size=model_hidden_size(job.model),  # ZeRO buckets sized to the model (engine/buckets.py)
     )
 
 
@@ -187,6 +195,7 @@ def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
     dataset, skipped = prepare_dataset(strategy, rows, dist.is_main)
     if skipped:
         logger.warning("skipped %d malformed rows (data.on_bad_row: skip)", skipped)
+    dataset, eval_dataset = split_eval_data(job, strategy, dataset, output_dir, dist.is_main)
     # The run's one data order: what one draw takes per rank is the strategy's (a micro-batch, or a step's prompts);
     # with data.packing a step's micro-batches are cut by tokens (TokenBalancedOrder).
     order = make_order(job, dataset, dist, strategy.rows_per_draw(dist.world_size))
@@ -225,5 +234,6 @@ def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
         torch.get_num_threads(),
     )
     run = Run(job, dist, output_dir, tokenizer, strategy, DataStream(dataset, order), steps, engines, skipped)
+    run.eval_dataset = eval_dataset
     strategy.setup(run)
     return run

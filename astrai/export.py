@@ -512,6 +512,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB (default 5GB)"
     )
     parser.add_argument("--tokenizer-dir", default=None, help="tokenizer folder (default: the run's own)")
+    parser.add_argument(
+        "--best", action="store_true", help="the best checkpoint by the run's checkpoint.keep_best, not the newest"
+    )
     return parser.parse_args(argv)
 
 
@@ -522,12 +525,13 @@ def export_main(argv: list[str]) -> int:
     except SystemExit as exit_request:  # argparse exits on bad arguments and --help; return its status
         return int(exit_request.code or 0)
     logging.basicConfig(level=logging.INFO, format="astrai export-hf: %(message)s")
+    from astrai.best_checkpoint import find_best
 
     try:
         # stdout carries the destination alone (`dest=$(python -m astrai export-hf ...)`); DeepSpeed prints
         # its consolidation steps and import warnings there, so those go to stderr with the log.
         with contextlib.redirect_stdout(sys.stderr):
-            checkpoint = resolve_checkpoint(args.checkpoint)
+            checkpoint = find_best(args.checkpoint) if args.best else resolve_checkpoint(args.checkpoint)
             path = export_checkpoint(
                 checkpoint,
                 args.destination,

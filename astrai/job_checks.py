@@ -15,6 +15,7 @@ from pathlib import Path
 def load_and_check(config_path: str, overrides: list[str]):
     """Everything that can be wrong with the job file, found before any rank does work."""
     from astrai.config import ConfigError, load_job
+    from astrai.eval.evaluator import check_eval_job
     from astrai.strategies import strategy_class
 
     job = load_job(config_path, overrides)
@@ -35,18 +36,24 @@ def load_and_check(config_path: str, overrides: list[str]):
     except ConfigError as error:
         raise ConfigError(f"{config_path}: {error}") from None
     check_job_parts(job, config_path, world_size)
+    try:
+        check_eval_job(job)  # checkpoint.keep_best names a metric the job's eval reports
+    except ConfigError as error:
+        raise ConfigError(f"{config_path}: {error}") from None
     return job
 
 
 def check_job_parts(job, config_path: str, world_size: int) -> None:
     """What only the libraries behind a job can judge (DeepSpeed's config parser, the transformers config
-    of the model, the reward's Python module), judged before any rank starts: ConfigError naming file and key."""
+    of the model, the reward's Python module, the trackers' libraries), judged before any rank starts: ConfigError
+    naming file and key."""
     from astrai.build import engine_config
     from astrai.config import ConfigError
     from astrai.config.schema import known_log_level
     from astrai.engine.ds_config import DeepSpeedConfigError, check_ds_config
     from astrai.models.policy import check_model_config
     from astrai.rollout.rewards import RewardError, load_function
+    from astrai.trackers import missing_tracker
 
     level = job.runtime.environment.get("ASTR_LOG_LEVEL", os.environ.get("ASTR_LOG_LEVEL"))
     try:
@@ -69,7 +76,7 @@ def check_job_parts(job, config_path: str, world_size: int) -> None:
             check_ds_config(config, f"the DeepSpeed config ({' + '.join(sources) or 'defaults'})")
     except DeepSpeedConfigError as error:
         raise ConfigError(f"{config_path}: {error}") from None
-    problem = check_model_config(job.model)
+    problem = check_model_config(job.model) or missing_tracker(job.runtime)
     if problem:
         raise ConfigError(f"{config_path}: {problem}")
     reward = job.reward

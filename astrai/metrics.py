@@ -1,15 +1,17 @@
-"""Metrics: `output_dir/metrics.jsonl` (one object per logged optimizer step), TensorBoard, progress bar.
+"""Metrics: `output_dir/metrics.jsonl` (one object per logged optimizer step), trackers, progress bar.
 
 Only rank 0 writes. The JSONL file is flushed and fsynced before every checkpoint publish, and on
 resume trimmed to the records at or below the resumed step, so the log and the checkpoints agree.
+The experiment trackers (TensorBoard, W&B, MLflow: `runtime.trackers`) get the same records through
+astrai/trackers/runs.py, which also says what a resume does to each.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
+import sys
 from pathlib import Path
 
 from astrai.safe_write import write_file_atomic
@@ -50,24 +52,23 @@ class MetricsLog:
         is_main: bool,
         total_steps: int,
         start_step: int,
-        tensorboard: bool,
         progress_bar: bool,
+        job=None,
+        tensorboard: bool = False,
     ):
+        """`job`: its `runtime.trackers` start (rank 0); without a job, `tensorboard` alone selects TensorBoard."""
         self.is_main = is_main
         self.path = Path(output_dir) / METRICS_FILE
         self._file = None
-        self._board = None
+        self._trackers = None
         self._bar = None
+        self._last_eval: dict[str, float] = {}
         if not is_main:
             return
         self._file = open(self.path, "a")
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+        from astrai.trackers.runs import Trackers, tensorboard_job
 
-                self._board = SummaryWriter(str(Path(output_dir) / "tensorboard"), purge_step=start_step + 1)
-            except ImportError:
-                logger.info("tensorboard not installed; metrics go to %s only", self.path)
+        self._trackers = Trackers(job or tensorboard_job(tensorboard), Path(output_dir), start_step)
         if progress_bar:
             from tqdm import tqdm
 
@@ -78,14 +79,13 @@ class MetricsLog:
             return
         record = {"step": step, **{k: _plain(v) for k, v in record.items()}}
         self._file.write(json.dumps(record) + "\n")
-        if self._board is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self._board.add_scalar(key, value, step)
+        if self._trackers is not None:
+            self._trackers.log(step, record)
         if self._bar is not None:
-            self._bar.set_postfix(
-                {k: f"{record[k]:.4g}" for k in ("loss", "lr") if isinstance(record.get(k), float)}, refresh=False
-            )
+            self._last_eval.update({k: v for k, v in record.items() if k.startswith("eval/") and isinstance(v, float)})
+            shown = {k: f"{record[k]:.4g}" for k in ("loss", "lr") if isinstance(record.get(k), float)}
+            shown.update({k: f"{v:.4g}" for k, v in list(self._last_eval.items())[:1]})  # the last eval's first figure
+            self._bar.set_postfix(shown, refresh=False)
 
     def advance(self) -> None:
         if self._bar is not None:
@@ -96,16 +96,18 @@ class MetricsLog:
         if self._file is not None:
             self._file.flush()
             os.fsync(self._file.fileno())
-        if self._board is not None:
-            self._board.flush()
+        if self._trackers is not None:
+            self._trackers.flush()
 
     def close(self) -> None:
         if self._file is not None:
             self.flush()
             self._file.close()
             self._file = None
-        if self._board is not None:
-            self._board.close()
+        if self._trackers is not None:
+            # Called from the loops' `finally`: an exception on its way out marks the tracker runs failed.
+            self._trackers.finish(failed=sys.exc_info()[0] is not None)
+            self._trackers = None
         if self._bar is not None:
             self._bar.close()
 

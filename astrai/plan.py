@@ -121,7 +121,14 @@ def tokenizer_size(job) -> int:
     datasets.disable_progress_bars()  # the table is the output
     with tempfile.TemporaryDirectory() as cache:  # the plan writes nothing into output_dir
         rows = load_rows(data.path, data.format, Path(cache))
-        return len(build_tokenizer(job.tokenizer.build.kind, iter_texts(rows, fields), job.tokenizer.build.vocab_size))
+        return len(
+            build_tokenizer(
+                job.tokenizer.build.kind,
+                iter_texts(rows, fields),
+                job.tokenizer.build.vocab_size,
+                job.tokenizer.build.fill_vocab,
+            )
+        )
 
 
 def count_shapes(config, critic: bool = False) -> ModelShape:
@@ -274,7 +281,9 @@ def make_plan(job, source: str, world_size: int, gpu_memory_gib: float | None, h
     sequences, seq_len = sequence_geometry(job)
     activations = activation_bytes(shape, sequences, seq_len, precision, job.model.gradient_checkpointing)
     plan.rows.append(Row("activations", gpu=activations))
-    plan.rows.append(Row("logits + log-softmax", gpu=sequences * seq_len * shape.vocab * 4 * 2))
+    positions = sequences * seq_len  # train.logits_chunk_size: only one chunk of positions has logits at a time
+    chunk = job.train.logits_chunk_size
+    plan.rows.append(Row("logits + log-softmax", gpu=min(positions, chunk or positions) * shape.vocab * 4 * 2))
     if not on_gpu:  # a CPU-only run holds everything in host memory
         plan.rows = [Row(row.component, 0, row.gpu + row.host) for row in plan.rows]
     plan.rows.append(Row("runtime baseline", host=RUNTIME_BASELINE_BYTES))

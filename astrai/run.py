@@ -81,6 +81,7 @@ class Run:
     total_steps: int
     engines: dict[str, Engine]
     skipped_rows: int
+    eval_dataset: datasets.Dataset | None = None  # eval.data_path or eval.holdout's examples (astrai/eval/)
 
     @property
     def dataset(self) -> datasets.Dataset:

@@ -44,11 +44,13 @@ def fsync_tree(folder: Path) -> None:
         fsync_path(Path(directory))
 
 
-def write_file_atomic(path: Path, content: str | bytes) -> None:
+def write_file_atomic(path: Path, content: str | bytes, durable: bool = True) -> None:
     """Replace `path` with `content` so that readers see the old file or the whole new one, durably.
 
     The temporary name carries host and pid: nodes sharing a folder (launch with no_ssh) or ranks
-    writing the same name never write into one temporary file. It never outlives a failure."""
+    writing the same name never write into one temporary file. It never outlives a failure.
+    `durable=False` skips both fsyncs (still atomic for readers and for a killed process; a power loss
+    may keep the old content): for files rewritten every step, made durable at the next checkpoint."""
     path = Path(path)
     temporary = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     data = content.encode() if isinstance(content, str) else content
@@ -56,13 +58,15 @@ def write_file_atomic(path: Path, content: str | bytes) -> None:
         with open(temporary, "wb") as handle:
             handle.write(data)
             handle.flush()
-            os.fsync(handle.fileno())
+            if durable:
+                os.fsync(handle.fileno())
         os.replace(temporary, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(temporary)
         raise
-    fsync_path(path.parent)
+    if durable:
+        fsync_path(path.parent)
 
 
 def staging_path(destination: Path) -> Path:

@@ -20,6 +20,7 @@ import torch
 
 from astrai.engine import Engine, all_reduce_sum, all_reduce_sums
 from astrai.errors import AstraiError
+from astrai.eval.evaluator import Evaluator
 from astrai.metrics import MetricsLog
 from astrai.resume.checkpointing import TrainerState, TrainingCheckpoints
 from astrai.run import Run
@@ -104,7 +105,7 @@ def _close_step(
     run: Run, state: TrainerState, record: dict, metrics: MetricsLog, checkpoints: TrainingCheckpoints
 ) -> None:
     """End of every step of either loop: log (every log_every_steps and the last), then publish when due."""
-    if state.step % run.job.train.log_every_steps == 0 or state.step == run.total_steps:
+    if state.step % run.job.train.log_every_steps == 0 or state.step == run.total_steps or "eval_s" in record:
         metrics.log(state.step, record)
     metrics.advance()
     if checkpoints.due(state.step, run.total_steps):
@@ -145,12 +146,14 @@ def train_offline(run: Run) -> TrainerState:
         is_main=run.dist.is_main,
         total_steps=run.total_steps,
         start_step=state.step,
-        tensorboard=job.runtime.tensorboard,
+        job=job,
         progress_bar=job.runtime.progress_bar,
     )
     steps = run.data.steps(accumulation)  # from the resumed position; token-balanced with data.packing
     run_started = time.perf_counter() - state.elapsed_s
     policy.train()
+    evaluator = Evaluator(run, state.step)  # eval.every_steps, the last step, eval.at_start (astrai/eval/)
+    evaluator.at_start(state.step, metrics)
     try:
         for step in range(state.step + 1, run.total_steps + 1):
             step_started = time.perf_counter()
@@ -172,6 +175,7 @@ def train_offline(run: Run) -> TrainerState:
                 samples=run.data.consumed_samples,
             )
             _add_skipped(record, run, policy)
+            evaluator.after_step(step, record, checkpoints)  # timed apart: not in tokens_per_s
             _close_step(run, state, record, metrics, checkpoints)
     finally:
         checkpoints.close()  # a background save in flight finishes (or says why not)
@@ -198,13 +202,15 @@ def train_online(run: Run) -> TrainerState:
         is_main=run.dist.is_main,
         total_steps=run.total_steps,
         start_step=state.step,
-        tensorboard=job.runtime.tensorboard,
+        job=job,
         progress_bar=job.runtime.progress_bar,
     )
     prompt_batches = run.data.batches()  # from the resumed position; every prompt drawn (all rounds) advances it
     run_started = time.perf_counter() - state.elapsed_s
     for engine in run.engines.values():
         engine.train()
+    evaluator = Evaluator(run, state.step)  # eval.every_steps, the last step, eval.at_start (astrai/eval/)
+    evaluator.at_start(state.step, metrics)
     try:
         for step in range(state.step + 1, run.total_steps + 1):
             # 1. Rollout: group_size scored responses to each of this rank's prompts, from the current weights
@@ -266,6 +272,7 @@ def train_online(run: Run) -> TrainerState:
                     if part != "policy":
                         record[f"{part}_lr"] = lrs[part]
             _add_skipped(record, run, policy)
+            evaluator.after_step(step, record, checkpoints)  # timed apart: not in rollout_s or train_s
             _close_step(run, state, record, metrics, checkpoints)
     finally:
         checkpoints.close()  # a background save in flight finishes (or says why not)

@@ -121,6 +121,8 @@ class CheckpointPublisher:
             the manifest and checked after the write phase.
         hash_algorithm: "sha256", "blake2b" or "xxh3_128" (needs the xxhash package).
         keep_last: keep the newest K checkpoints (None keeps all); applied after each publish.
+        keep_best: (metric, "min" | "max"): retention also keeps the checkpoint whose manifest records the best
+            `meta["eval"][metric]` (`retention.best_checkpoint`).
         timeout_s: bound on each collective wait; a rank that is later than this fails the save.
         group: a gloo process group, or None: a dedicated gloo group over all ranks is created at
             the first call (every rank must call), or single-process mode when torch.distributed
@@ -136,6 +138,7 @@ class CheckpointPublisher:
         parts: Sequence[str] = (),
         hash_algorithm: str = "sha256",
         keep_last: int | None = None,
+        keep_best: tuple[str, str] | None = None,
         timeout_s: float = 600.0,
         group: Any = None,
         hash_threads: int | None = None,
@@ -152,6 +155,7 @@ class CheckpointPublisher:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.hash_algorithm = hash_algorithm
         self.keep_last = keep_last
+        self.keep_best = keep_best
         self.timeout_s = float(timeout_s)
         self.hash_threads = hash_threads or default_hash_threads()
         self._given_group = group
@@ -462,7 +466,7 @@ class CheckpointPublisher:
         if self.keep_last is None:
             return ()
         try:
-            return tuple(apply_retention(self.checkpoints_dir, self.keep_last, protect=published))
+            return tuple(apply_retention(self.checkpoints_dir, self.keep_last, protect=published, best=self.keep_best))
         except OSError as error:
             logger.warning("checkpoint retention failed (%s); cleanup_stale() removes leftovers at next start", error)
             return ()

@@ -9,6 +9,7 @@ looks complete), then rmtree. `cleanup_stale()` finishes whatever a crash interr
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,13 +48,47 @@ def remove_checkpoint(path: Path, step: int) -> Path:
     return retired
 
 
-def apply_retention(checkpoints_dir: Path, keep_last: int, protect: Path) -> list[Path]:
+def recorded_value(manifest, metric: str) -> float | None:
+    """`manifest.meta["eval"][metric]` when it is a finite number, else None (not a candidate for best)."""
+    figures = manifest.meta.get("eval") if isinstance(manifest.meta, dict) else None
+    value = figures.get(metric) if isinstance(figures, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def best_checkpoint(checkpoints_dir: Path, metric: str, mode: str) -> tuple[int, Path, float] | None:
+    """(step, path, value) of the published checkpoint whose manifest records the best value of `metric`
+    (`mode` "min" or "max"; on a tie the earliest step), or None when no manifest records it.
+
+    The choice is made from the manifests alone, each time: nothing else records it, so no crash can leave
+    a stale record of the best, and a checkpoint is never deleted as "not the best" by a half-done update."""
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+    best = None
+    for step, path in list_published(Path(checkpoints_dir)):
+        try:
+            manifest = read_manifest(path)
+        except CheckpointError:
+            continue
+        value = recorded_value(manifest, metric) if manifest is not None and manifest.step == step else None
+        if value is None:
+            continue
+        if best is None or (value < best[2] if mode == "min" else value > best[2]):
+            best = (step, path, value)
+    return best
+
+
+def apply_retention(
+    checkpoints_dir: Path, keep_last: int, protect: Path, best: tuple[str, str] | None = None
+) -> list[Path]:
     """Delete AstrAI checkpoints beyond the `keep_last` newest; return the deleted paths.
 
     Only directories whose manifest reads count and can be deleted: legacy or unreadable ones
     are left alone (we never destroy what we cannot identify). `protect` (the checkpoint just
     published) is always kept, even when older checkpoints have higher steps, and the newest
-    valid checkpoint is always among the `keep_last >= 1` kept.
+    valid checkpoint is always among the `keep_last >= 1` kept. `best` = (metric, mode): the checkpoint
+    `best_checkpoint` names is kept too, beside the `keep_last` newest.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
@@ -66,6 +101,8 @@ def apply_retention(checkpoints_dir: Path, keep_last: int, protect: Path) -> lis
         if manifest is not None and manifest.step == step:
             candidates.append((step, path))
     kept = {path for _, path in candidates[-keep_last:]} | {Path(protect)}
+    if best is not None and (chosen := best_checkpoint(checkpoints_dir, *best)) is not None:
+        kept.add(chosen[1])
     deleted = []
     for step, path in candidates:
         if path not in kept:

@@ -173,6 +173,9 @@ def _check_paths(job: JobConfig, source: str) -> None:
     """Fail before any rank works when a local file the job names is not there."""
     if not glob.glob(job.data.path) and not Path(job.data.path).exists():
         raise ConfigError(f"{source}: data.path: no file matches {job.data.path!r}")
+    eval_path = job.eval.data_path if job.eval is not None else None
+    if eval_path is not None and not glob.glob(eval_path) and not Path(eval_path).exists():
+        raise ConfigError(f"{source}: eval.data_path: no file matches {eval_path!r}")
     for key, value in (
         ("model.path", job.model.path),
         ("model.reference_path", job.model.reference_path),

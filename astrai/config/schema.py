@@ -85,6 +85,12 @@ class TokenizerBuild(Section):
         description="`char`: one token per character seen in the data; `bpe`: byte-level BPE trained on the data.",
     )
     vocab_size: int = Field(512, ge=16, description="Target vocabulary size for `bpe` (ignored by `char`).")
+    fill_vocab: bool = Field(
+        False,
+        description="`bpe` only: when the data trains fewer than `vocab_size` tokens, fill the rest with tokens no "
+        "text encodes to, so the tokenizer (and the model's embedding and output layer) has exactly `vocab_size` ids: "
+        "a large-vocabulary shape on a small corpus (configs/scale_0p5b.yaml).",
+    )
 
 
 class TokenizerConfig(Section):
@@ -177,6 +183,15 @@ class TrainConfig(Section):
         "sampling), and the data order: a rerun of the job repeats its losses exactly.",
     )
     log_every_steps: int = Field(1, ge=1, description="Write a metrics record every N optimizer steps.")
+    logits_chunk_size: int = Field(
+        512,
+        ge=0,
+        description="Token log-probs, entropy and the cross-entropy are computed from the final hidden states this "
+        "many positions at a time, so the full [batch, seq_len, vocab] logits never exist (their backward recomputes "
+        "each chunk's logits: one more output-layer matmul). Used when a micro-batch has more positions than one "
+        "chunk; 0 = off. Models that change their logits after the output layer (Gemma 2 softcapping) take the full "
+        "path (docs/guides/memory.md).",
+    )
     on_nonfinite: Literal["stop", "skip_step"] = Field(
         "stop",
         description="A non-finite loss or gradient norm on any rank (decided on all ranks together): `stop` "
@@ -220,6 +235,22 @@ class DeepSpeedSection(Section):
     )
 
 
+class KeepBest(Section):
+    """The checkpoint to keep beside the newest `keep_last`: the best one by an eval metric."""
+
+    metric: str = Field(
+        ...,
+        description="An eval metric the job's eval produces, e.g. `eval/loss` (the `eval/` prefix may be left out); "
+        "checked before training.",
+    )
+    mode: Literal["min", "max"] = Field(..., description="`min`: lower is better (a loss); `max`: higher (accuracy).")
+
+    @field_validator("metric")
+    @classmethod
+    def _prefixed(cls, value: str) -> str:
+        return value if value.startswith("eval/") else f"eval/{value}"
+
+
 class CheckpointConfig(Section):
     every_steps: int | None = Field(
         None, ge=1, description="Publish a checkpoint every N optimizer steps (always at the end of a run)."
@@ -233,6 +264,11 @@ class CheckpointConfig(Section):
         "auto", description="`auto`: newest valid checkpoint in output_dir; `never`: start fresh; or a checkpoint path."
     )
     verify_on_load: bool = Field(False, description="Re-hash every file against the manifest before resuming.")
+    keep_best: KeepBest | None = Field(
+        None,
+        description="Keep the best checkpoint by an eval metric beside the newest `keep_last` (retention never deletes "
+        "it); each checkpoint's manifest records the eval figures of its step; `export-hf --best` exports it.",
+    )
     hash: Literal["sha256", "blake2b", "xxh3_128"] = Field(
         "sha256",
         description="File digest recorded in the manifest: sha256 (~1.1 GB/s a core, cryptographic; files hash in "
@@ -251,6 +287,61 @@ class CheckpointConfig(Section):
     )
 
 
+class EvalConfig(Section):
+    """Held-out evaluation during training (docs/guides/training.md, "Evaluation")."""
+
+    data_path: str | None = Field(
+        None, description="Eval data, in the formats of `data.path` (exclusive with `holdout`)."
+    )
+    format: Literal["auto", "json", "parquet", "arrow"] = Field(
+        "auto", description="File format of `data_path`; `auto` reads it from the extension."
+    )
+    holdout: float | int | None = Field(
+        None,
+        gt=0,
+        description="Hold out of `data.path` a fraction (0 < x < 1) or a count (an integer >= 1) of the prepared "
+        "examples, chosen by `train.seed`, the same on every rank and on resume; never trained on.",
+    )
+    every_steps: int | None = Field(
+        None, ge=1, description="Evaluate every N steps (null: only at the end; there is always one at the end)."
+    )
+    max_samples: int | None = Field(
+        None, ge=1, description="Evaluate at most this many examples (prompts for the online types): the first ones."
+    )
+    at_start: bool = Field(False, description="Also evaluate before the first step of a fresh run (logged as step 0).")
+    pass_k: int = Field(
+        1,
+        ge=1,
+        description="Online types: k of `eval/pass@k`, the unbiased estimate from `samples_per_prompt` answers.",
+    )
+    samples_per_prompt: int | None = Field(
+        None,
+        ge=1,
+        description="Online types: answers sampled per eval prompt with the training sampler (null: "
+        "`rollout.group_size`); at least `pass_k`.",
+    )
+    pass_threshold: float = Field(
+        1.0,
+        description="Online types: an answer passes (pass@k, `greedy_pass`) when its total reward is at least this.",
+    )
+    log_samples: int = Field(
+        4, ge=0, description="Online types: prompts (with their answers) appended to `eval_samples.jsonl` per eval."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> EvalConfig:
+        if (self.data_path is None) == (self.holdout is None):
+            raise ValueError("an eval section needs data: give exactly one of `eval.data_path` or `eval.holdout`")
+        if isinstance(self.holdout, float) and not self.holdout < 1:
+            raise ValueError(f"`eval.holdout` {self.holdout} is neither a fraction (< 1) nor a count (an integer)")
+        if self.samples_per_prompt is not None and self.samples_per_prompt < self.pass_k:
+            raise ValueError(
+                f"`eval.pass_k` {self.pass_k} > `eval.samples_per_prompt` {self.samples_per_prompt}: pass@k needs "
+                "at least k answers per prompt"
+            )
+        return self
+
+
 class RuntimeConfig(Section):
     environment: dict[str, Any] = Field(
         default_factory=dict,
@@ -263,7 +354,27 @@ class RuntimeConfig(Section):
         "INFO", description="Trainer log level (env ASTR_LOG_LEVEL overrides): DEBUG, INFO, WARNING, ERROR or CRITICAL."
     )
     progress_bar: bool = Field(True, description="tqdm bar on rank 0.")
-    tensorboard: bool = Field(True, description="Write TensorBoard events when `tensorboard` is installed.")
+    tensorboard: bool = Field(
+        True,
+        description="Older key, kept: with `runtime.trackers` unset, true writes TensorBoard events when `tensorboard` "
+        "is installed (as before), false writes none. Prefer `runtime.trackers`.",
+    )
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] | None = Field(
+        None,
+        description="Experiment trackers fed every metrics record beside metrics.jsonl (always written), on rank 0: "
+        "`tensorboard` (<output_dir>/tensorboard), `wandb` (offline under <output_dir>/wandb unless WANDB_MODE or "
+        "WANDB_API_KEY says otherwise), `mlflow` (a file store <output_dir>/mlruns by default). Each is an extra "
+        "(`pip install 'astrai[wandb]'`); one not installed fails before any rank starts. A resume continues the "
+        "same tracker runs (<output_dir>/trackers.json). null: `runtime.tensorboard` decides "
+        "(docs/guides/training.md).",
+    )
+    wandb_project: str = Field("astrai", description="W&B project of the run (entity: WANDB_ENTITY or your default).")
+    mlflow_tracking_uri: str | None = Field(
+        None,
+        description="MLflow tracking URI (a server `http://...`, `sqlite:///...`, `file:...`); null: a file store at "
+        "<output_dir>/mlruns.",
+    )
+    mlflow_experiment: str = Field("astrai", description="MLflow experiment the run is created in (created if new).")
     tune_malloc: bool = Field(
         True,
         description="Set glibc malloc's mmap/trim thresholds on every rank so each step's buffers are kept rather "
@@ -275,6 +386,32 @@ class RuntimeConfig(Section):
     @classmethod
     def _known_level(cls, value: str) -> str:
         return known_log_level(value)
+
+    @field_validator("trackers")
+    @classmethod
+    def _distinct_trackers(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and len(set(value)) != len(value):
+            raise ValueError(f"names a tracker twice: {value}")
+        return value
+
+    @field_validator("wandb_project")
+    @classmethod
+    def _wandb_project_name(cls, value: str) -> str:
+        refused = [character for character in "/\\#?%:" if character in value]
+        if refused or not value or len(value) > 128:
+            raise ValueError(f"{value!r} is not a W&B project name (1-128 characters, none of / \\ # ? % :)")
+        return value
+
+    @model_validator(mode="after")
+    def _one_tensorboard_answer(self) -> RuntimeConfig:
+        """`runtime.tensorboard` given beside `runtime.trackers` must agree with it (else which one wins?)."""
+        if self.trackers is not None and "tensorboard" in self.model_fields_set:
+            if self.tensorboard != ("tensorboard" in self.trackers):
+                raise ValueError(
+                    f"`runtime.tensorboard: {str(self.tensorboard).lower()}` contradicts `runtime.trackers: "
+                    f"{self.trackers}`; keep `runtime.trackers` alone"
+                )
+        return self
 
     @field_validator("environment")
     @classmethod
@@ -442,6 +579,12 @@ class RolloutConfig(Section):
         "logits at each step (no extra forward: 1.1x the rollout tokens/s in benchmarks/rollout_speed.py; the "
         "KV-cached kernels differ from the full forward by ~1e-6 in fp32, ~1e-2 in bf16); `auto`: `sampler` when the "
         "policy trains in fp32, `recompute` in bf16/fp16.",
+    )
+    share_prefill: bool = Field(
+        True,
+        description="Prefill each prompt once and repeat its KV cache to the group before decoding, instead of "
+        "prefilling all group_size copies (TRL's way); same tokens and log-probs for the same seed. false: every "
+        "copy prefilled.",
     )
 
 
@@ -781,6 +924,9 @@ class JobConfig(Section):
     train: TrainConfig = Field(..., description="The train type and its optimisation hyperparameters.")
     deepspeed: DeepSpeedSection = Field(
         default_factory=DeepSpeedSection, description="DeepSpeed: a template from `ds_configs/` plus job overrides."
+    )
+    eval: EvalConfig | None = Field(
+        None, description="Held-out evaluation during training: data, cadence, online pass@k (null: none)."
     )
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig,

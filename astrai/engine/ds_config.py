@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from astrai.engine.buckets import size_buckets
 from astrai.errors import AstraiError
 
 logger = logging.getLogger("astrai.engine")
@@ -121,8 +122,10 @@ def build_ds_config(
     eps: float,
     zero_stage: int | None = None,
     world_size: int | None = None,
+    hidden_size: int | None = None,
 ) -> dict:
-    """Template (if any) <- job settings <- `deepspeed.overrides`. The result is what DeepSpeed sees."""
+    """Template (if any) <- job settings <- `deepspeed.overrides`, then bucket sizes the user left out (or
+    set to "auto") derived from the model's `hidden_size` (engine/buckets.py). The result is what DeepSpeed sees."""
     config: dict = read_template(template_path) if template_path else {}
     zero = config.setdefault("zero_optimization", {})
     stage = zero_stage if zero_stage is not None else section.zero_stage
@@ -157,7 +160,10 @@ def build_ds_config(
     elif implementation == "cpu_adam" and not offloaded:
         raise DeepSpeedConfigError("deepspeed.optimizer: cpu_adam needs deepspeed.offload_optimizer: cpu")
     config["optimizer"] = {"type": "AdamW", "params": params}
-    return deep_merge(config, section.overrides)
+    config = deep_merge(config, section.overrides)
+    if isinstance(config.get("zero_optimization"), dict):  # anything else is refused by check_ds_config
+        size_buckets(config["zero_optimization"], hidden_size)
+    return config
 
 
 def lr_lambda(total_steps: int, warmup_steps: int, schedule: str, min_lr_ratio: float) -> Callable[[int], float]:

@@ -34,8 +34,11 @@ class TokenizerError(AstraiError):
     """A tokenizer that cannot be loaded or built; the message says which and why."""
 
 
-def build_tokenizer(kind: str, texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """A deterministic tokenizer trained on `texts`: one token per character (`char`) or byte-level BPE."""
+def build_tokenizer(
+    kind: str, texts: Iterable[str], vocab_size: int = 512, fill_vocab: bool = False
+) -> PreTrainedTokenizerFast:
+    """A deterministic tokenizer trained on `texts`: one token per character (`char`) or byte-level BPE.
+    fill_vocab (bpe only): ids past what the data trains are filled with unreachable tokens up to `vocab_size`."""
     if kind == "char":
         characters = sorted({character for text in texts for character in text})
         vocabulary = {token: index for index, token in enumerate(SPECIAL_TOKENS + ["<|unk|>"] + characters)}
@@ -53,6 +56,8 @@ def build_tokenizer(kind: str, texts: Iterable[str], vocab_size: int = 512) -> P
             show_progress=False,
         )
         backend.train_from_iterator(texts, trainer=trainer)
+        if fill_vocab:
+            backend = filled_vocabulary(backend, vocab_size)
     else:
         raise TokenizerError(f"tokenizer.build.kind: unknown kind {kind!r} (use char or bpe)")
     tokenizer = PreTrainedTokenizerFast(
@@ -63,6 +68,29 @@ def build_tokenizer(kind: str, texts: Iterable[str], vocab_size: int = 512) -> P
     )
     tokenizer.chat_template = CHATML_TEMPLATE
     return tokenizer
+
+
+def filled_vocabulary(backend: Tokenizer, vocab_size: int) -> Tokenizer:
+    """`backend` (a trained byte-level BPE) with tokens added to its vocabulary, without merges, until it has
+    `vocab_size` ids: three-symbol strings of the byte-level alphabet, so they decode to bytes. No text
+    encodes to them (no merge makes them), but the model's embedding and output layer have the full size
+    and a sampler can draw them: a large-vocabulary shape (151,936 ids for Qwen2.5) on a small corpus,
+    which could never train that many merges."""
+    data = json.loads(backend.to_str())
+    vocabulary = data["model"]["vocab"]
+    taken = set(vocabulary) | {token["content"] for token in data["added_tokens"]}
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    next_id = max([*vocabulary.values(), *(token["id"] for token in data["added_tokens"])]) + 1
+    for first in alphabet:
+        for second in alphabet:
+            for third in alphabet:
+                if next_id >= vocab_size:
+                    return Tokenizer.from_str(json.dumps(data))
+                token = first + second + third
+                if token not in taken:
+                    vocabulary[token] = next_id
+                    next_id += 1
+    return Tokenizer.from_str(json.dumps(data))
 
 
 def load_tokenizer(path: str, chat_template: str | None = None) -> PreTrainedTokenizerBase:

@@ -269,8 +269,11 @@ class TrainingCheckpoints:
             parts=sorted(run.engines),
             hash_algorithm=config.hash,
             keep_last=config.keep_last,
+            keep_best=(config.keep_best.metric, config.keep_best.mode) if config.keep_best else None,
             timeout_s=config.save_timeout_s,
         )
+
+        self.eval_figures: tuple[int, dict] | None = None  # (step, eval/<name> figures): set by astrai/eval/
 
     def due(self, step: int, total_steps: int) -> bool:
         every = self.run.job.checkpoint.every_steps
@@ -307,6 +310,8 @@ class TrainingCheckpoints:
             "total_steps": run.total_steps,  # the schedule's length; a resume with another one says so
             **run.strategy.checkpoint_meta(),
         }
+        if self.eval_figures is not None and self.eval_figures[0] == state.step:
+            meta["eval"] = self.eval_figures[1]  # what checkpoint.keep_best ranks checkpoints by
         if background:
             metrics.flush()  # durable before the checkpoint it describes can appear (the rename comes later)
             self.publisher.publish_async(state.step, write, meta=meta, pre_publish=leave_if_orphaned)

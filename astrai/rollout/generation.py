@@ -28,6 +28,10 @@ samples from the partitioned module inside one gather of every parameter instead
 so that a rank whose responses all ended keeps stepping while others generate (every forward of the
 partitioned module is a collective); its hooks make it ~5x slower on a CPU.
 
+One prefill per prompt group (`rollout.share_prefill`, default on): the distinct prompts run one forward and
+their KV cache is repeated to the group before generate decodes (`shared_prefill.py`); same tokens for the
+same seed as prefilling every copy.
+
 Sampling randomness: each rollout draws from its own seed, `sampling_seed(seed, step, rank)`, in a
 forked RNG, so a resumed run samples the same responses as an uninterrupted one (same world size).
 """
@@ -43,6 +47,7 @@ import torch.distributed as dist
 
 from astrai.rollout.sampler import TokenSampler
 from astrai.rollout.sequences import join_sequences, left_pad, response_logprobs, response_mask, truncated_rows
+from astrai.rollout.shared_prefill import group_prefill_cache, shares_prefill
 
 SEED_MODULUS = 2**63 - 1
 
@@ -170,10 +175,13 @@ def sample_responses(
     settings,
     tokenizer,
     sampler: TokenSampler | None = None,
+    group_size: int = 1,
 ) -> torch.Tensor:
     """Sampled continuation ids [N, R] (R <= max_new_tokens; finished rows padded with the pad id).
     sampler: the TokenSampler generate calls at every step (pass one built with keep_logprobs to read the
-    sampler's behaviour log-probs afterwards); by default one without."""
+    sampler's behaviour log-probs afterwards); by default one without. group_size: the prompt rows are
+    groups of this many identical rows; with `settings.share_prefill` each group's prompt is prefilled once
+    (`shared_prefill.py`)."""
     from transformers import LogitsProcessorList
 
     if sampler is None:
@@ -188,12 +196,15 @@ def sample_responses(
         was_training = model.training
         model.eval()  # no dropout while sampling; the behaviour log-probs come from the training forward anyway
         try:
+            share = shares_prefill(settings, group_size, prompt_ids, model, synced=synced)
+            cache = {"cache": group_prefill_cache(model, prompt_ids, prompt_mask, group_size)} if share else {}
             output = model.generate(
                 input_ids=prompt_ids,
                 attention_mask=prompt_mask,
                 generation_config=sampling_config(settings, tokenizer, do_sample=False),
                 synced_gpus=synced,
                 logits_processor=LogitsProcessorList([sampler]),
+                **cache,
             )
         finally:
             model.train(was_training)
@@ -212,6 +223,7 @@ def generate_rollout(
     policy_version: int,
     logprob_batch_size: int,
     behaviour_logprobs: bool = True,
+    logits_chunk_size: int = 0,
     packed: bool = False,
 ) -> RolloutResult:
     """Sample `settings.group_size` responses to each prompt and take their behaviour log-probs (recomputed
@@ -223,7 +235,7 @@ def generate_rollout(
     messages, rows: per prompt, handed on to the rewards. settings: the `rollout:` config section.
     Every rank must call this with the same number of prompts under ZeRO-3. behaviour_logprobs=False
     takes none (the result's behaviour_logprobs is None). packed (rl.packing): the recomputing forward runs
-    without the padding (rollout/packed.py).
+    without the padding (rollout/packed.py). logits_chunk_size: `train.logits_chunk_size`.
     """
     group = settings.group_size
     device = engine.device
@@ -238,7 +250,7 @@ def generate_rollout(
         settings.temperature, settings.top_k, settings.top_p, keep_logprobs=from_sampler, vocab_size=len(tokenizer)
     )
     with forked_rng(seed, device):
-        response_ids = sample_responses(engine, prompts, prompt_mask, settings, tokenizer, sampler)
+        response_ids = sample_responses(engine, prompts, prompt_mask, settings, tokenizer, sampler, group_size=group)
     mask = response_mask(response_ids, tokenizer.eos_token_id)
     if not behaviour_logprobs:
         behaviour = None
@@ -252,6 +264,7 @@ def generate_rollout(
             temperature=settings.temperature,
             batch_size=logprob_batch_size,
             vocab_size=len(tokenizer),
+            chunk_size=logits_chunk_size,
             packed=packed,
         )
     prompt_texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]

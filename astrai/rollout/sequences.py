@@ -25,6 +25,8 @@ from collections.abc import Sequence
 import torch
 
 from astrai.algos.logprobs import real_vocabulary, token_logprobs
+from astrai.algos.ppo import entropy_from_logits
+from astrai.models.output_head import chunked_token_statistics
 from astrai.rollout.packed import packed_response_forward, packed_response_values
 
 
@@ -124,6 +126,61 @@ def response_forward(
     return (logits if temperature == 1.0 else logits / temperature), output
 
 
+def response_token_statistics(
+    model,
+    sequences: dict[str, torch.Tensor],
+    *,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+    chunk_size: int = 0,
+    entropy: str | None = None,
+    packed: bool = False,
+    **options,
+) -> tuple[torch.Tensor, torch.Tensor | None, object]:
+    """(log-probs [N, R] float32, 0 where response_mask is 0; entropy [N, R] or None; the model's output) of the
+    responses, as `response_forward` + `masked_token_logprobs` + `entropy_from_logits` give them. With
+    `chunk_size` (`train.logits_chunk_size`) the full [N, R, vocab] logits are never made
+    (models/output_head.py); entropy: None, "metric" (no gradient) or "trained"."""
+    response_ids, mask = sequences["response_ids"], sequences["response_mask"]
+    response_len = response_ids.shape[1]
+    prompt_len = sequences["input_ids"].shape[1] - response_len
+    scored = response_ids.masked_fill(~mask.bool(), -100)
+    inputs = {key: sequences[key] for key in ("input_ids", "attention_mask", "position_ids")}
+    # The output layer sees the last R + 1 positions (logits_to_keep) or all P + R; the response's
+    # predictions are the R of them from column P - 1 on.
+    kept = _keeps_logits(model)
+    before = 0 if kept else prompt_len - 1
+    labels = torch.nn.functional.pad(scored, (before, 1), value=-100)
+    extra = {"logits_to_keep": response_len + 1} if kept else {}
+    chunked = (
+        None
+        if packed
+        else chunked_token_statistics(  # rl.packing: the packed forward's own layout
+            model,
+            inputs,
+            labels,
+            chunk_size=chunk_size,
+            temperature=temperature,
+            vocab_size=vocab_size,
+            entropy=entropy,
+            **extra,
+            **options,
+        )
+    )
+    if chunked is not None:
+        columns = slice(before, before + response_len)
+        entropies = None if chunked.entropy is None else chunked.entropy[:, columns]
+        return chunked.logprobs[:, columns], entropies, chunked.output
+    logits, output = response_forward(model, sequences, temperature, vocab_size, packed=packed, **options)
+    logprobs = masked_token_logprobs(logits, response_ids, mask)
+    if entropy == "trained":
+        return logprobs, entropy_from_logits(logits), output
+    if entropy == "metric":
+        with torch.no_grad():
+            return logprobs, entropy_from_logits(logits.detach()), output
+    return logprobs, None, output
+
+
 def _keeps_logits(model) -> bool:
     """Whether the causal LM under `model` (an engine wraps it as `.module`) takes transformers'
     `logits_to_keep`: most do; for one that does not, the full logits are sliced instead."""
@@ -171,10 +228,12 @@ def response_logprobs(
     temperature: float,
     batch_size: int,
     vocab_size: int | None = None,
+    chunk_size: int = 0,
     packed: bool = False,
 ) -> torch.Tensor:
     """Per-token log-probs of the responses under `model`, no gradient: [N, R] float32, 0 on padding;
-    normalised over the first `vocab_size` ids (see `response_logits`).
+    normalised over the first `vocab_size` ids (see `response_logits`); chunked over positions with
+    `chunk_size` (`train.logits_chunk_size`, see `response_token_statistics`).
 
     Evaluated `batch_size` sequences at a time to bound activation memory. Under ZeRO-3 every rank
     must call this with the same N (each forward is a collective); the online strategies ensure it.
@@ -183,8 +242,10 @@ def response_logprobs(
     parts = []
     for start in range(0, total, batch_size):
         chunk = {key: value[start : start + batch_size] for key, value in sequences.items()}
-        logits = response_logits(model, chunk, temperature, vocab_size, packed)
-        parts.append(masked_token_logprobs(logits, chunk["response_ids"], chunk["response_mask"]))
+        statistics = response_token_statistics(
+            model, chunk, temperature=temperature, vocab_size=vocab_size, chunk_size=chunk_size, packed=packed
+        )
+        parts.append(statistics[0])
     return torch.cat(parts)
 
 

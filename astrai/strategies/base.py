@@ -85,6 +85,22 @@ class Strategy:
     def compute_loss(self, policy, batch: dict, normalizer: float) -> StepOutput:
         raise NotImplementedError
 
+    # Evaluation of the offline loop (astrai/eval/offline.py): the sums of `eval_sums` over every held-out
+    # micro-batch of every rank, then `eval_metrics` of those global sums, logged as `eval/<name>`.
+    eval_metric_names: ClassVar[tuple[str, ...]] = ("loss",)  # what `eval_metrics` returns (keep_best checks it)
+
+    def eval_sums(self, policy, batch: dict) -> dict[str, float]:
+        """Metric sums of one held-out micro-batch (the caller holds torch.no_grad and eval mode): by default
+        `compute_loss`'s sums, `weight` being the units (tokens, pairs) they are summed over."""
+        return self.compute_loss(policy, batch, 1.0).sums
+
+    def eval_metrics(self, totals: dict[str, float]) -> dict[str, float]:
+        """Global sums of `eval_sums` -> the figures named in `eval_metric_names` (without the `eval/` prefix):
+        by default each such sum divided by the summed `weight` (a train type whose compute_loss sums `loss`
+        and, say, `accuracy` per pair gets both as means over every held-out pair)."""
+        weight = max(totals.get("weight", 0.0), 1.0)
+        return {name: totals[name] / weight for name in self.eval_metric_names if name in totals}
+
     # Mixture-of-experts policies: the router's load-balancing loss, the same way in every train type.
     def router_options(self, policy) -> dict:
         """Forward keywords that make the policy return its router's load-balancing loss (`aux_loss`):

@@ -28,6 +28,7 @@ from astrai.data.collate import pad_right
 from astrai.data.packing import is_packed, model_inputs, pack_sequences, segment_sums
 from astrai.data.render import preference_batch
 from astrai.engine import all_gather_objects
+from astrai.models.output_head import chunked_token_statistics, next_token_labels
 from astrai.run import Run
 from astrai.strategies.base import StepOutput, Strategy, register
 from astrai.strategies.reference import build_reference
@@ -37,17 +38,32 @@ REFERENCE_COLUMNS = ("reference_chosen_logps", "reference_rejected_logps")
 AVERAGED_LOSSES = ("ipo", *REFERENCE_FREE_LOSSES)  # these papers score completions by their mean token log-prob
 
 
-def completion_logprobs(model, batch: dict, average: bool = False, vocab_size: int | None = None) -> torch.Tensor:
+def completion_logprobs(
+    model, batch: dict, average: bool = False, vocab_size: int | None = None, chunk_size: int = 0
+) -> torch.Tensor:
     """Log-probs of each sequence's completion tokens, summed (or averaged, as IPO scores
     completions): [2B] for a batch of 2B sequences. vocab_size: the tokenizer's length, over whose ids
-    they normalise (a padded model vocabulary's extra rows take no probability; None: all ids)."""
-    return completion_forward(model, batch, average, vocab_size)[0]
+    they normalise (a padded model vocabulary's extra rows take no probability; None: all ids).
+    chunk_size: `train.logits_chunk_size` (models/output_head.py; 0: the full logits)."""
+    return completion_forward(model, batch, average, vocab_size, chunk_size)[0]
 
 
-def completion_forward(model, batch: dict, average: bool = False, vocab_size: int | None = None, **options):
+def completion_forward(
+    model, batch: dict, average: bool = False, vocab_size: int | None = None, chunk_size: int = 0, **options
+):
     """`completion_logprobs` [2B] and the model's whole output (e.g. a router's `aux_loss`); `options` go to
     the forward."""
-    output = model(**model_inputs(batch, model), **options)
+    inputs = model_inputs(batch, model)
+    chunked = None
+    if not is_packed(batch):  # a packed row is scored the full way (its sums are per segment)
+        labels = next_token_labels(batch["input_ids"], batch["loss_mask"])
+        chunked = chunked_token_statistics(
+            model, inputs, labels, chunk_size=chunk_size, vocab_size=vocab_size, **options
+        )
+    if chunked is not None:  # 0 on every unscored position: the plain sum is the masked one
+        output, logps, counts = chunked.output, chunked.logprobs.sum(dim=-1), batch["loss_mask"][:, 1:].sum(dim=-1)
+        return (logps / counts.clamp(min=1) if average else logps), output
+    output = model(**inputs, **options)
     logits = real_vocabulary(output.logits, vocab_size)
     shifted_logits, labels, mask = shift_for_next_token(logits, batch["input_ids"], batch["loss_mask"])
     token_logps = token_logprobs(shifted_logits, labels)
@@ -70,6 +86,7 @@ def _sequences(batch: dict) -> int:
 class DpoStrategy(Strategy):
     name = "dpo"
     loop = "offline"
+    eval_metric_names = ("loss", "accuracy", "margin")
 
     def prepare_data(self, rows) -> tuple[datasets.Dataset, int]:
         return render_rows(
@@ -104,23 +121,29 @@ class DpoStrategy(Strategy):
         policy_config = run.engines["policy"].ds_config
         self.reference, self.reference_source = build_reference(self.job, self.tokenizer, policy_config)
         if self.job.dpo.precompute_reference:
-            run.dataset = self._precompute(run)
+            run.dataset = self._precompute(run, run.dataset)
+            if run.eval_dataset is not None:  # the eval pairs need theirs too
+                run.eval_dataset = self._precompute(run, run.eval_dataset)
             self.reference = None  # freed: the log-probs now travel with the data
 
-    def _precompute(self, run: Run) -> datasets.Dataset:
+    def _precompute(self, run: Run, dataset: datasets.Dataset) -> datasets.Dataset:
         """Reference log-probs of every pair, computed once, rank r taking pairs r, r+W, ...
 
         Every rank runs the same number of forwards (the last batch is padded with repeats) because
         a ZeRO-3 forward is a collective."""
-        size, world, micro = len(run.dataset), run.dist.world_size, self.job.train.micro_batch_size
+        size, world, micro = len(dataset), run.dist.world_size, self.job.train.micro_batch_size
         own = list(range(run.dist.rank, size, world))
         rounds = math.ceil(math.ceil(size / world) / micro)
         results: dict[int, tuple[float, float]] = {}
         for round_index in range(rounds):
-            indices = own[round_index * micro : (round_index + 1) * micro] or own[:1]
-            batch = self._to_device(self.collate([run.dataset[i] for i in indices]))
+            indices = (
+                own[round_index * micro : (round_index + 1) * micro] or own[:1] or [0]
+            )  # a rank without pairs pads
+            batch = self._to_device(self.collate([dataset[i] for i in indices]))
             average = self.job.dpo.loss in AVERAGED_LOSSES
-            logps = completion_logprobs(self.reference, batch, average=average, vocab_size=len(self.tokenizer))
+            logps = completion_logprobs(
+                self.reference, batch, average, len(self.tokenizer), self.job.train.logits_chunk_size
+            )
             pairs = len(indices)
             for position, index in enumerate(indices):
                 results[index] = (float(logps[position]), float(logps[pairs + position]))
@@ -128,7 +151,6 @@ class DpoStrategy(Strategy):
         for part in all_gather_objects(results):
             merged.update(part)
         logger.info("precomputed reference log-probs of %d pairs; the reference model is freed", len(merged))
-        dataset = run.dataset
         for column, position in zip(REFERENCE_COLUMNS, (0, 1)):
             dataset = dataset.add_column(column, [merged[i][position] for i in range(size)])
         return dataset
@@ -165,7 +187,8 @@ class DpoStrategy(Strategy):
         pairs = _sequences(batch) // 2
         settings = self.job.dpo
         average = settings.loss in AVERAGED_LOSSES
-        logps, output = completion_forward(policy, batch, average, len(self.tokenizer), **self.router_options(policy))
+        chunk_size, options = self.job.train.logits_chunk_size, self.router_options(policy)
+        logps, output = completion_forward(policy, batch, average, len(self.tokenizer), chunk_size, **options)
         objective = self._objective(logps[:pairs], logps[pairs:], batch, average)
         chosen, rejected = logps[:pairs].detach(), logps[pairs:].detach()
         sums = {
@@ -186,6 +209,16 @@ class DpoStrategy(Strategy):
         loss = objective.losses.sum() / normalizer + router
         return StepOutput(loss, sums)
 
+    def eval_metrics(self, totals: dict[str, float]) -> dict[str, float]:
+        """Means over every held-out pair: the loss, the reward accuracy (chosen's implicit reward above the
+        rejected's) and the reward margin (chosen minus rejected)."""
+        pairs = max(totals["weight"], 1.0)
+        return {
+            "loss": totals["loss"] / pairs,
+            "accuracy": totals["reward_accuracy"] / pairs,
+            "margin": totals["reward_margin"] / pairs,
+        }
+
     def _objective(self, chosen: torch.Tensor, rejected: torch.Tensor, batch: dict, average: bool):
         """The configured loss of B pairs from the policy's log-probs [B] each (averaged for ipo/simpo/orpo)."""
         settings = self.job.dpo
@@ -195,7 +228,9 @@ class DpoStrategy(Strategy):
             return orpo_loss(chosen, rejected, beta=settings.beta)
         reference = batch.get("reference_logps")
         if reference is None:
-            reference = completion_logprobs(self.reference, batch, average, len(self.tokenizer))
+            reference = completion_logprobs(
+                self.reference, batch, average, len(self.tokenizer), self.job.train.logits_chunk_size
+            )
         pairs = chosen.shape[0]
         return dpo_loss(
             chosen,

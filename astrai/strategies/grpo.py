@@ -35,9 +35,9 @@ import torch
 from astrai.algos.advantages import discounted_returns, grpo_advantages, kl_shaped_rewards, rloo_advantages
 from astrai.algos.kl import kl_estimate
 from astrai.algos.masked import global_standardize, masked_sum
-from astrai.algos.ppo import broadcast_sequence_advantages, entropy_from_logits, ppo_policy_loss
+from astrai.algos.ppo import broadcast_sequence_advantages, ppo_policy_loss
 from astrai.rollout import RolloutResult, response_logprobs
-from astrai.rollout.sequences import masked_token_logprobs, response_forward
+from astrai.rollout.sequences import response_token_statistics
 from astrai.run import Run
 from astrai.strategies.base import StepOutput, register
 from astrai.strategies.online import OnlineStrategy
@@ -75,6 +75,7 @@ class GrpoStrategy(OnlineStrategy):
                 temperature=self.job.rollout.temperature,
                 batch_size=self.geometry.micro_batch_size,
                 vocab_size=len(self.tokenizer),
+                chunk_size=self.job.train.logits_chunk_size,
                 packed=self.job.rl.packing,
             )
             if not self.kl_in_reward():
@@ -111,9 +112,11 @@ class GrpoStrategy(OnlineStrategy):
         settings, mask = self.job.rl, batch["response_mask"]
         options = self.router_options(policy)  # a mixture of experts returns its load-balancing loss
         temperature, vocab_size = self.job.rollout.temperature, len(self.tokenizer)
-        packed = self.job.rl.packing
-        logits, output = response_forward(policy, batch, temperature, vocab_size, packed, **options)  # [B, R, vocab]
-        logprobs = masked_token_logprobs(logits, batch["response_ids"], mask)
+        chunk_size, packed = self.job.train.logits_chunk_size, self.job.rl.packing
+        logprobs, entropy, output = response_token_statistics(
+            policy, batch, temperature=temperature, vocab_size=vocab_size, chunk_size=chunk_size, entropy="metric",
+            packed=packed, **options,
+        )  # fmt: skip
         advantages = batch["advantages"]
         if advantages.dim() == 1:
             advantages = broadcast_sequence_advantages(advantages, mask)
@@ -142,8 +145,7 @@ class GrpoStrategy(OnlineStrategy):
             sums["kl"] = float(masked_sum(kl.detach(), mask))
         elif "reward_kl" in batch:
             sums["kl"] = float(masked_sum(batch["reward_kl"], mask))
-        with torch.no_grad():
-            sums["entropy"] = float(masked_sum(entropy_from_logits(logits.detach()), mask))
+        sums["entropy"] = float(masked_sum(entropy, mask))
         sums["loss"] = self.unit_sum(loss, normalizer)
         loss = loss + self.router_aux_loss(policy, output, self.loss_weight(batch), normalizer, sums, tokens)
         return StepOutput(loss, sums)

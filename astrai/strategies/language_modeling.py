@@ -6,6 +6,7 @@ how rows become tokens.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import datasets
@@ -16,11 +17,13 @@ from astrai.data.collate import collate_token_rows
 from astrai.data.packing import document_positions, model_inputs, pack_sequences
 from astrai.data.render import is_text_row, pack_batch, sft_batch
 from astrai.data.sources import Rows
+from astrai.models.output_head import chunked_token_statistics, next_token_labels
 from astrai.strategies.base import StepOutput, Strategy, register
 
 
 class LanguageModelingStrategy(Strategy):
     loop = "offline"
+    eval_metric_names = ("loss", "perplexity")
 
     def collate(self, rows: list[dict]) -> dict:
         """Right-padded [rows, longest], or with `data.packing` one packed row [1, tokens] (data/packing.py)."""
@@ -40,12 +43,25 @@ class LanguageModelingStrategy(Strategy):
         load-balancing term (`router_aux_loss`); the logged `loss` is the cross-entropy alone.
         """
         options = self.router_options(policy)  # a mixture of experts returns its load-balancing loss
-        output = policy(**model_inputs(batch, policy), **options)
-        loss_sum, count = next_token_cross_entropy_sum(output.logits, batch["input_ids"], batch["loss_mask"])
+        inputs = model_inputs(batch, policy)
+        labels = next_token_labels(batch["input_ids"], batch["loss_mask"])
+        chunk_size = self.job.train.logits_chunk_size
+        chunked = chunked_token_statistics(policy, inputs, labels, chunk_size=chunk_size, **options)
+        if chunked is None:  # the full [batch, seq_len, vocab] logits (models/output_head.py says when)
+            output = policy(**inputs, **options)
+            loss_sum, count = next_token_cross_entropy_sum(output.logits, batch["input_ids"], batch["loss_mask"])
+        else:
+            output, loss_sum, count = chunked.output, -chunked.logprobs.sum(), (labels >= 0).sum()
         sums = {"loss": float(loss_sum.detach()), "weight": float(count)}
         router = self.router_aux_loss(policy, output, float(count), normalizer, sums, float(count))
         loss = loss_sum / normalizer + router
         return StepOutput(loss, sums)
+
+    def eval_metrics(self, totals: dict[str, float]) -> dict[str, float]:
+        """`loss`: the token mean of the cross-entropy over every held-out loss token of every rank;
+        `perplexity`: exp(loss)."""
+        loss = totals["loss"] / max(totals["weight"], 1.0)
+        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0))}  # exp(>709) overflows a float
 
 
 @register

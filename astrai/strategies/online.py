@@ -193,6 +193,7 @@ class OnlineStrategy(Strategy):
             policy_version=policy_version,
             logprob_batch_size=self.geometry.micro_batch_size,
             behaviour_logprobs=self.needs_behaviour_logprobs(),
+            logits_chunk_size=self.job.train.logits_chunk_size,
             packed=self.job.rl.packing,
         )
         if self.job.rl.mask_truncated:

@@ -41,9 +41,9 @@ import torch
 from astrai.algos.advantages import AdaptiveKLController, FixedKLController, compute_gae, kl_shaped_rewards
 from astrai.algos.kl import kl_estimate
 from astrai.algos.masked import global_standardize, masked_sum
-from astrai.algos.ppo import entropy_from_logits, ppo_policy_loss, value_loss
+from astrai.algos.ppo import ppo_policy_loss, value_loss
 from astrai.rollout import RolloutResult, frozen_response_values, response_logprobs, response_values
-from astrai.rollout.sequences import masked_token_logprobs, response_forward
+from astrai.rollout.sequences import response_token_statistics
 from astrai.run import Run
 from astrai.strategies.base import StepOutput, register
 from astrai.strategies.online import OnlineStrategy
@@ -171,6 +171,7 @@ class PPOStrategy(OnlineStrategy):
             temperature=self.job.rollout.temperature,
             batch_size=self.geometry.micro_batch_size,
             vocab_size=len(self.tokenizer),
+            chunk_size=self.job.train.logits_chunk_size,
             packed=settings.packing,
         )
         if not settings.kl_in_reward:
@@ -203,9 +204,16 @@ class PPOStrategy(OnlineStrategy):
         settings, mask = self.job.rl, batch["response_mask"]
         options = self.router_options(policy)  # a mixture of experts returns its load-balancing loss
         temperature, vocab_size = self.job.rollout.temperature, len(self.tokenizer)
-        packed = self.job.rl.packing
-        logits, output = response_forward(policy, batch, temperature, vocab_size, packed, **options)  # [B, R, vocab]
-        logprobs = masked_token_logprobs(logits, batch["response_ids"], mask)
+        logprobs, entropy, output = response_token_statistics(
+            policy,
+            batch,
+            temperature=temperature,
+            vocab_size=vocab_size,
+            chunk_size=self.job.train.logits_chunk_size,
+            entropy="trained" if settings.entropy_coef > 0 else "metric",
+            packed=self.job.rl.packing,
+            **options,
+        )
         surrogate = ppo_policy_loss(
             logprobs,
             batch["behaviour_logprobs"],
@@ -219,7 +227,6 @@ class PPOStrategy(OnlineStrategy):
             **self.aggregation(normalizer),
         )
         policy_loss = surrogate.loss
-        entropy = entropy_from_logits(logits if settings.entropy_coef > 0 else logits.detach())
         loss = policy_loss
         if settings.entropy_coef > 0:
             loss = loss - settings.entropy_coef * self._aggregate(entropy, mask, normalizer)

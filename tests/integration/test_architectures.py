@@ -6,8 +6,10 @@ that publishes a checkpoint and exports it on finish (`export.on_finish`, astrai
 that starts from that export (`model.path`) with a tiny rollout. The test process then checks that the
 exported folder, loaded with plain `AutoModelForCausalLM.from_pretrained`, gives the logits of the
 checkpoint's consolidated weights loaded into the model `build_policy` builds (independent of the export
-code), and that the grpo step's metrics are finite with a real gradient. Every architecture shares the
-launch of its rank count (a launch costs 10-20 s of imports), so the whole matrix stays within CI's time.
+code), and that the grpo step's metrics are finite with a real gradient. Both jobs compute their log-probs
+in chunks of a few positions (`train.logits_chunk_size`), so every architecture also trains through the
+chunked path under ZeRO-2 and ZeRO-3 (its exactness: tests/unit/models/test_output_head.py). Every architecture
+shares the launch of its rank count (a launch costs 10-20 s of imports), so the whole matrix stays within CI's time.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ model: {{init: {init}}}
 tokenizer: {{build: {{kind: char}}}}
 data: {{path: {folder}/sft.jsonl, max_seq_len: 32}}
 train: {{train_type: sft, max_steps: 1, micro_batch_size: 2, lr: 5e-3, lr_schedule: constant, warmup_steps: 0,
-        seed: 7}}
+        seed: 7, logits_chunk_size: 16}}
 deepspeed: {{zero_stage: {zero_stage}}}
 runtime: {{progress_bar: false, tensorboard: false}}
 export: {{hf_dir: {folder}/{name}_hf, on_finish: true}}
@@ -85,7 +87,7 @@ data: {{path: {folder}/prompts.jsonl, max_seq_len: 32}}
 rollout: {{prompts_per_step: {ranks}, group_size: 2, max_new_tokens: 4}}
 reward: {{function: "tests.integration.test_architectures:character_code_reward"}}
 train: {{train_type: grpo, max_steps: 1, micro_batch_size: 2, lr: 1e-3, lr_schedule: constant, warmup_steps: 0,
-        seed: 7}}
+        seed: 7, logits_chunk_size: 4}}
 deepspeed: {{zero_stage: 2}}
 runtime: {{progress_bar: false, tensorboard: false}}
 """

@@ -160,6 +160,27 @@ def test_step_overhead_smoke(tmp_path):
 
 
 @pytest.mark.slow
+def test_logits_memory_smoke(tmp_path):
+    payload = run_benchmark(
+        "logits_memory.py", tmp_path, "--chunks", "0,32", "--vocab", "512", "--seq-len", "32", "--rounds", "1"
+    )
+    runs = payload["runs"]
+    assert set(runs) == {"0", "32"} and all(run["peak_above_start_mib"] >= 0 for run in runs["32"])
+    assert runs["32"][0]["losses"] == pytest.approx(runs["0"][0]["losses"], rel=1e-5)  # the same numbers
+
+
+@pytest.mark.slow
+def test_scale_0p5b_smoke_at_the_tiny_shape(tmp_path):
+    payload = run_benchmark(
+        "scale_0p5b.py", tmp_path, "--shape", "tiny", "--steps", "1", "--phases", "publish,export_hf", timeout=900
+    )
+    phases = {row["phase"]: row for row in payload["rows"]}
+    assert list(phases) == ["sft_zero3", "publish", "export_hf"]  # publish and export read sft_zero3's checkpoint
+    assert all(row["exit"] == 0 for row in phases.values())
+    assert len(phases["sft_zero3"]["peak_rss_mib"]) == 2 and phases["publish"]["plain_copy_fsync_s"] > 0
+
+
+@pytest.mark.slow
 def test_packing_smoke(tmp_path):
     arguments = ["--rows", "40", "--steps", "3", "--warmup", "1", "--hidden", "32", "--layers", "1"]
     result = run_benchmark("packing.py", tmp_path, *arguments, "--tokens", "2048", "--micro-batch", "2")

@@ -56,6 +56,19 @@ def test_write_file_atomic_creates_and_replaces_text_and_bytes(tmp_path):
     assert path.read_bytes() == b"\x00binary" and leftovers(tmp_path) == []
 
 
+def test_a_non_durable_write_replaces_atomically_without_any_fsync(tmp_path, monkeypatch):
+    """durable=False (trackers.json, rewritten every step): same rename discipline, no fsync at all."""
+    target = tmp_path / "state.json"
+    write_file_atomic(target, "old")
+    synced = []
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd))
+    write_file_atomic(target, "new", durable=False)
+    assert target.read_text() == "new" and synced == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
+    write_file_atomic(target, "newer")
+    assert target.read_text() == "newer" and len(synced) == 2  # the file, then its folder
+
+
 @pytest.mark.parametrize("step", ["fsync", "replace"])
 def test_a_crash_before_the_replace_keeps_the_old_file_and_no_temporary(tmp_path, monkeypatch, step):
     path = tmp_path / "metrics.jsonl"
