@@ -38,6 +38,7 @@ from astrai.models.tokenizer import (
     load_tokenizer,
     require_chat_template,
     save_tokenizer,
+    set_pad_token,
 )
 from astrai.models.value import build_value_model
 from astrai.run import DataStream, Run
@@ -69,6 +70,7 @@ def make_tokenizer(job: JobConfig, rows, output_dir: Path, is_main: bool):
     else:
         source = job.tokenizer.path or job.model.path
         tokenizer = load_tokenizer(source, job.tokenizer.chat_template)
+    set_pad_token(tokenizer, job.tokenizer.pad_token)
     if strategy_class(job.train.train_type).renders_chats:
         require_chat_template(tokenizer, source, job.train.train_type)
     return tokenizer
@@ -217,6 +219,7 @@ def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
     )
     model = build_policy_model(job, ds_config, tokenizer)
     check_packing_job(job, model)
+    model = strategy.policy_module(model, tokenizer)  # rm: the trunk under a scalar head
     # DeepSpeed steps the schedule once per optimizer update; an online step (one rollout) makes several.
     # The policy does not step during online_ppo's critic warmup rollouts, so its schedule spans the rest.
     updates = strategy.optimizer_steps_per_step(dist.world_size)

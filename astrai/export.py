@@ -187,6 +187,17 @@ def critic_skeleton(job, tokenizer):
         return ValueModel(trunk)
 
 
+def policy_skeleton(job, model, tokenizer):
+    """The module the job's policy engine trained, from its causal LM skeleton: the model itself, or for `rm`
+    its trunk under the scalar head (as `RewardModelStrategy.policy_module` builds it)."""
+    if job.train.train_type != "rm":
+        return model
+    from astrai.models.reward import reward_model_of
+
+    with torch.device("meta"):
+        return reward_model_of(model, tokenizer)
+
+
 def tied_aliases(model) -> dict[str, str]:
     """{alias: source} of the weights this model ties (e.g. lm_head.weight -> embed_tokens.weight).
     A critic has no lm_head, so nothing of it is tied."""
@@ -388,7 +399,9 @@ def publish(staging: Path, destination: Path, overwrite: bool) -> None:
     safe_write.swap_in(staging, destination)
 
 
-def write_export(model, tokenizer, destination: Path, overwrite: bool, max_shard_size: str | int, bar) -> None:
+def write_export(
+    model, tokenizer, destination: Path, overwrite: bool, max_shard_size: str | int, bar, finish=None
+) -> None:
     """Write the export into a hidden staging folder beside `destination`, then publish it by rename;
     on any failure the staging folder goes, and the destination is as it was."""
     destination.parent.mkdir(parents=True, exist_ok=True)
@@ -396,6 +409,8 @@ def write_export(model, tokenizer, destination: Path, overwrite: bool, max_shard
     with safe_write.staging_folder(destination) as staging:
         with phase(bar, "writing shards"):
             write_files(model, tokenizer, staging, max_shard_size)
+            if finish is not None:  # an rm export adds reward_stats.json, measured on the written folder
+                finish(staging)
         with phase(bar, "flushing to disk"):
             publish(staging, destination, overwrite)
 
@@ -441,6 +456,8 @@ def export_checkpoint(
             job, tokenizer, checkpoint, destination, part, lora, adapter, dtype, overwrite, max_shard_size
         )
     model = critic_skeleton(job, tokenizer) if part == "critic" else build_skeleton(job, tokenizer)
+    if part == "policy":  # what the policy engine trained (rm: a scalar head on the trunk)
+        model = policy_skeleton(job, model, tokenizer)
     bar = progress_bar(model, progress)
     try:
         with phase(bar, "consolidating weights"):
@@ -450,9 +467,14 @@ def export_checkpoint(
                 raise ExportError(f"cannot read the DeepSpeed weights in {checkpoint / part}: {error}") from None
         with phase(bar, f"casting to {dtype}"):
             load_weights(model, prepare_state(state, model, DTYPES[dtype]), DTYPES[dtype])
-        if part == "policy":
+        finish = None
+        if part == "policy" and job.train.train_type == "rm":  # a sequence classifier, and its reward statistics
+            from astrai.reward_export import export_classifier
+
+            model, finish = export_classifier(model, job, tokenizer)
+        elif part == "policy":
             set_generation_config(model, tokenizer, job)
-        write_export(model, tokenizer, destination, overwrite, max_shard_size, bar)
+        write_export(model, tokenizer, destination, overwrite, max_shard_size, bar, finish)
     finally:
         bar.close()
     logger.info("exported %s (%s, %s) to %s", checkpoint, part, dtype, destination)

@@ -238,7 +238,7 @@ def sequence_geometry(job) -> tuple[int, int]:
         return 1, job.train.micro_batch_tokens
     if train_type in ("grpo", "online_ppo"):
         return job.train.micro_batch_size, job.data.max_seq_len + job.rollout.max_new_tokens
-    return job.train.micro_batch_size * (2 if train_type == "dpo" else 1), job.data.max_seq_len
+    return job.train.micro_batch_size * (2 if train_type in ("dpo", "rm") else 1), job.data.max_seq_len
 
 
 def make_plan(job, source: str, world_size: int, gpu_memory_gib: float | None, host_memory: int | None = None) -> Plan:

@@ -164,7 +164,7 @@ def _missing_folder_hint(value: str) -> str:
     if parts and parts[-1] == "hf":
         return (
             " (the Hugging Face export of another job: run that job first; "
-            "configs/quickstart.yaml writes runs/quickstart/hf)"
+            "configs/quickstart.yaml writes runs/quickstart/hf, configs/quickstart_rm.yaml runs/rm/hf)"
         )
     return ""
 

@@ -145,6 +145,11 @@ class TokenizerConfig(Section):
         "tokenizer has `<|im_start|>`/`<|im_end|>` as single tokens; otherwise a train type that renders chats fails "
         "before training).",
     )
+    pad_token: str | None = Field(
+        None,
+        description="A token of the vocabulary to pad with (default: the tokenizer's own, else its EOS). `rm` needs "
+        "one that is not the EOS, as its reward head reads the last non-pad token.",
+    )
 
 
 class DataConfig(Section):
@@ -182,7 +187,7 @@ class DataConfig(Section):
 
 
 class TrainConfig(Section):
-    train_type: Literal["seq", "sft", "dpo", "grpo", "online_ppo"] = Field(
+    train_type: Literal["seq", "sft", "dpo", "grpo", "online_ppo", "rm"] = Field(
         ..., description="What to train: see the table of train types."
     )
     max_steps: int | None = Field(None, ge=1, description="Optimizer steps to run (exclusive with `epochs`).")
@@ -555,6 +560,20 @@ class DpoConfig(Section):
     )
 
 
+class RmConfig(Section):
+    margin_field: str | None = Field(
+        None,
+        description="`rm`: data field holding each pair's margin m, subtracted inside the loss "
+        "-log sigmoid(r_c - r_r - m) (Llama 2's reward model; a larger m for a clearer preference). null: no margin.",
+    )
+    center_rewards_coef: float = Field(
+        0.0,
+        ge=0,
+        description="`rm`: weight of the centring term coef x mean((r_c + r_r)^2), which keeps the rewards near mean 0 "
+        "(TRL's `center_rewards_coefficient`, suggested 0.01; 0: off).",
+    )
+
+
 class RolloutConfig(Section):
     prompts_per_step: int = Field(
         8,
@@ -889,6 +908,11 @@ class RewardComponent(Section):
         1.0, ge=0, description="`url`: wait before the first retry, doubled before each next one."
     )
     batch_size: int = Field(8, ge=1, description="`model_path`: responses per reward-model forward.")
+    normalize: Literal["none", "stored"] = Field(
+        "none",
+        description="`model_path`: `stored` standardises the model's rewards, (r - mean) / std, with the mean and std "
+        "over its training pairs that an rm export records (reward_stats.json).",
+    )
     max_response_bytes: int = Field(
         16 * 2**20, ge=1, description="`url`: largest answer accepted, in bytes; a larger one is an error."
     )
@@ -897,6 +921,12 @@ class RewardComponent(Section):
     def _one_source(self) -> RewardComponent:
         if sum(value is not None for value in (self.function, self.model_path, self.url)) != 1:
             raise ValueError("give exactly one of `function`, `model_path` or `url`")
+        return self
+
+    @model_validator(mode="after")
+    def _stored_statistics(self) -> RewardComponent:
+        if self.normalize == "stored" and self.model_path is None:
+            raise ValueError("`normalize: stored` applies to a `model_path` reward only")
         return self
 
     @model_validator(mode="after")
@@ -960,6 +990,7 @@ class JobConfig(Section):
         default_factory=ServeConfig,
         description="Serving an export with an OpenAI-compatible engine (`scripts/serve.sh`).",
     )
+    rm: RmConfig = Field(default_factory=RmConfig, description="Reward-model training (`train_type: rm`).")
     rollout: RolloutConfig = Field(
         default_factory=RolloutConfig,
         description="Sampling of the online train types (`grpo`, `online_ppo`): prompts per step, group size, sampler.",

@@ -115,6 +115,16 @@ def load_tokenizer(path: str, chat_template: str | None = None) -> PreTrainedTok
     return tokenizer
 
 
+def set_pad_token(tokenizer: PreTrainedTokenizerBase, token: str | None) -> None:
+    """`tokenizer.pad_token`: pad with this token, which must already be in the vocabulary (adding one would
+    change the model's embedding size)."""
+    if token is None:
+        return
+    if token not in tokenizer.get_vocab():
+        raise TokenizerError(f"tokenizer.pad_token: {token!r} is not a token of the tokenizer's vocabulary")
+    tokenizer.pad_token = token
+
+
 def save_tokenizer(tokenizer: PreTrainedTokenizerBase, folder: str | Path) -> None:
     """Write the tokenizer atomically for readers: into a staging folder, then swapped in by rename."""
     install_folder(Path(folder), tokenizer.save_pretrained)

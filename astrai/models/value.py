@@ -18,8 +18,10 @@ A critic folder (what `python -m astrai export-hf CKPT OUT --part critic` writes
     value_head.json                            {"format": "astrai-value-head", "version": 1, "hidden_size": H}
     tokenizer files                            the run's tokenizer
 
-`critic.path` may also name any transformers model folder (a causal LM, a reward model): its trunk is
-loaded by `AutoModel` and the head starts at zero.
+`critic.path` may also name any transformers model folder: a causal LM's trunk is loaded by `AutoModel`
+and the head starts at zero; a reward model (a sequence classifier with one output, e.g. an `rm` export)
+gives the trunk and the value head's weight (bias 0), as DeepSpeed-Chat and OpenRLHF start the critic
+from the reward model.
 """
 
 from __future__ import annotations
@@ -117,11 +119,25 @@ def load_value_model(folder: str | Path, **kwargs) -> ValueModel:
         raise ModelError(
             f"critic.path: {str(folder)!r} is not a local folder (AstrAI never downloads from a hub at run time)"
         )
+    reward_model = is_reward_model(folder)
     try:
-        trunk = AutoModel.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True, **kwargs)
+        if reward_model:  # a scalar sequence classifier (an rm export): its head starts the value head
+            from transformers import AutoModelForSequenceClassification
+
+            from astrai.models.reward import classifier_head
+
+            classifier = AutoModelForSequenceClassification.from_pretrained(
+                str(folder), dtype=torch.float32, local_files_only=True, **kwargs
+            )
+            trunk, reward_head = classifier.base_model, classifier_head(classifier)
+        else:
+            trunk = AutoModel.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True, **kwargs)
     except (OSError, ValueError) as error:
         raise ModelError(f"critic.path: cannot load {str(folder)!r}: {error}") from None
     critic = ValueModel(trunk)
+    if reward_model and not (folder / HEAD_WEIGHTS).is_file():
+        bias = reward_head.bias if reward_head.bias is not None else torch.zeros(1)
+        critic.value_head.load_state_dict({"weight": reward_head.weight.detach(), "bias": bias.detach()})
     if (folder / HEAD_WEIGHTS).is_file():
         head = load_file(str(folder / HEAD_WEIGHTS))
         try:
@@ -129,6 +145,17 @@ def load_value_model(folder: str | Path, **kwargs) -> ValueModel:
         except RuntimeError as error:
             raise ModelError(f"critic.path: {folder / HEAD_WEIGHTS} does not fit the trunk: {error}") from None
     return critic
+
+
+def is_reward_model(folder: Path) -> bool:
+    """Whether `folder` holds a transformers sequence classifier with one output (a reward model)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    architectures = config.get("architectures") or []
+    labels = len(config["id2label"]) if isinstance(config.get("id2label"), dict) else config.get("num_labels")
+    return any(name.endswith("ForSequenceClassification") for name in architectures) and labels == 1
 
 
 def build_value_model(model_config, tokenizer, seed: int, critic_path: str | None = None) -> ValueModel:

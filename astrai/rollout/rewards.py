@@ -127,7 +127,9 @@ class ModelReward:
     chat plus the response (rendered with the reward model's own chat template when it has one).
     A full copy is loaded on every rank, in fp32, and only evaluated."""
 
-    def __init__(self, path: str, device: torch.device, batch_size: int, name: str | None = None):
+    def __init__(
+        self, path: str, device: torch.device, batch_size: int, name: str | None = None, normalize: str = "none"
+    ):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.name = name or Path(path).name
@@ -142,8 +144,17 @@ class ModelReward:
             raise RewardError(f"reward.model_path: cannot load {path!r} as a sequence classifier: {error}") from None
         if self.model.config.num_labels != 1:
             raise RewardError(
-                f"reward.model_path: {path!r} has {self.model.config.num_labels} outputs; a reward model has 1"
+                f"reward.model_path: {path!r} has num_labels {self.model.config.num_labels} (config.json); a reward "
+                "model has one output, num_labels 1"
             )
+        self.mean, self.std = 0.0, 1.0
+        if normalize == "stored":  # the mean and std an rm export measured over its training pairs
+            from astrai.models.reward import read_reward_stats
+
+            try:
+                self.mean, self.std = read_reward_stats(path)
+            except ValueError as error:
+                raise RewardError(f"reward.normalize stored: {error}") from None
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         if self.model.config.pad_token_id is None:  # the classifier finds each row's last token by it
@@ -174,7 +185,7 @@ class ModelReward:
                 add_special_tokens=not self.tokenizer.chat_template,
             ).to(self.device)
             scores.append(self.model(**encoded).logits[:, 0].float().cpu())
-        return torch.cat(scores)
+        return (torch.cat(scores) - self.mean) / self.std
 
 
 class HttpReward:
@@ -348,7 +359,7 @@ def build_source(config, device: torch.device):
     if config.function is not None:
         return FunctionReward(config.function, config.name)
     if config.model_path is not None:
-        return ModelReward(config.model_path, device, config.batch_size, config.name)
+        return ModelReward(config.model_path, device, config.batch_size, config.name, config.normalize)
     return HttpReward(
         config.url, config.timeout_s, config.retries, config.retry_backoff_s, config.name, config.max_response_bytes
     )

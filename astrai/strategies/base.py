@@ -48,6 +48,11 @@ class Strategy:
     def check_job(cls, job, world_size: int) -> None:
         """Raise ConfigError for what only this train type rejects, given the world size (before any rank works)."""
 
+    @classmethod
+    def policy_module(cls, model, tokenizer):
+        """The module the policy engine trains, from the built causal LM (`rm` puts a scalar head on its trunk)."""
+        return model
+
     def optimizer_steps_per_step(self, world_size: int) -> int:
         """Optimizer updates in one trainer step; the LR schedule spans max_steps x this many."""
         return 1

@@ -37,6 +37,7 @@ DATA = {
     "sft": REPO / "data/arithmetic/sft.jsonl",
     "seq": REPO / "data/arithmetic/text.jsonl",
     "dpo": REPO / "data/arithmetic/preference.jsonl",
+    "rm": REPO / "data/arithmetic/preference.jsonl",
 }
 
 

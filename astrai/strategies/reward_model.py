@@ -1,0 +1,115 @@
+"""`rm`: a reward model trained on preference pairs with the Bradley-Terry loss (algos/reward_model.py).
+
+The data is dpo's: (prompt or messages, chosen, rejected) rows rendered with the chat template, plus an
+optional per-pair margin (`rm.margin_field`). The trained module is `models.reward.RewardModel`: the
+policy's trunk (built exactly as the policy: `model.path` / `model.init`) and a scalar head read at the
+last non-pad token. Each micro-batch holds B pairs, scored as one forward of 2B sequences (chosen, then
+rejected); the step's loss is the mean over its pairs (the loop divides by the global pair count).
+
+Metric sums per micro-batch are dpo's shape (sums over pairs, `weight` = pairs), named as TRL's
+RewardTrainer and OpenRLHF log them: `loss`, `accuracy` (r_c > r_r), `chosen_reward`, `rejected_reward`,
+`margin` (r_c - r_r, without the data's margin).
+
+The score is read at the last token that is not the pad token, so a pad token is required and may not
+end a rendered sequence: both are checked before any training (`check_pad_token`).
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+
+import datasets
+import torch
+
+from astrai.algos.reward_model import bradley_terry_loss
+from astrai.config import ConfigError
+from astrai.data import render_rows
+from astrai.data.collate import pad_right
+from astrai.data.reward_pairs import reward_pair_batch
+from astrai.strategies.base import StepOutput, Strategy, register
+
+logger = logging.getLogger("astrai.rm")
+
+
+def check_pad_token(tokenizer, job) -> None:
+    """The scalar head reads the last token that is not the pad token: refuse a tokenizer without a pad
+    token of its own (AstrAI's loader falls back to EOS, which would hide a trailing EOS from the head),
+    unless `tokenizer.pad_token` names one explicitly."""
+    explicit = getattr(job.tokenizer, "pad_token", None) is not None
+    if tokenizer.pad_token_id is None or (not explicit and tokenizer.pad_token_id == tokenizer.eos_token_id):
+        raise ConfigError(
+            "train.train_type rm: the tokenizer has no pad token of its own (unset, or falling back to the EOS "
+            f"token {tokenizer.eos_token!r}); the reward head reads the last non-pad token: set `tokenizer.pad_token` "
+            "to a token of the vocabulary that never ends a sequence"
+        )
+
+
+@register
+class RewardModelStrategy(Strategy):
+    name = "rm"
+    loop = "offline"
+
+    def __init__(self, job, tokenizer):
+        super().__init__(job, tokenizer)
+        check_pad_token(tokenizer, job)
+
+    @classmethod
+    def policy_module(cls, model, tokenizer):
+        """The trainable module: the causal LM's trunk under a scalar head (models/reward.py)."""
+        from astrai.models.reward import reward_model_of
+
+        return reward_model_of(model, tokenizer)
+
+    def prepare_data(self, rows) -> tuple[datasets.Dataset, int]:
+        dataset, skipped = render_rows(
+            rows,
+            self._batch_function(),
+            tokenizer=self.tokenizer,
+            data=self.job.data,
+            description="rendering reward-model pairs",
+        )
+        self._check_last_tokens(dataset)
+        return dataset, skipped
+
+    def _batch_function(self):
+        return partial(reward_pair_batch, margin_field=self.job.rm.margin_field)
+
+    def _check_last_tokens(self, dataset: datasets.Dataset) -> None:
+        pad = self.tokenizer.pad_token_id
+        for column in ("chosen_ids", "rejected_ids"):
+            for position, ids in enumerate(dataset[column]):
+                if ids and ids[-1] == pad:
+                    raise ConfigError(
+                        f"train.train_type rm: pair {position}'s {column.split('_')[0]} sequence ends with the pad "
+                        f"token {self.tokenizer.pad_token!r}, so the reward head could not read its last token: set "
+                        "`tokenizer.pad_token` to a token that never ends a sequence"
+                    )
+
+    def collate(self, rows: list[dict]) -> dict:
+        """[2B, T]: the B chosen sequences, then the B rejected ones; `margin` [B]."""
+        sequences = [row["chosen_ids"] for row in rows] + [row["rejected_ids"] for row in rows]
+        return {
+            "input_ids": pad_right(sequences, self.tokenizer.pad_token_id),
+            "attention_mask": pad_right([[1] * len(sequence) for sequence in sequences], 0),
+            "margin": torch.tensor([row["margin"] for row in rows], dtype=torch.float32),
+        }
+
+    def loss_weight(self, batch: dict) -> int:
+        return batch["input_ids"].shape[0] // 2
+
+    def compute_loss(self, policy, batch: dict, normalizer: float) -> StepOutput:
+        pairs = batch["input_ids"].shape[0] // 2
+        rewards = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        chosen, rejected = rewards[:pairs], rewards[pairs:]
+        margin = batch["margin"] if self.job.rm.margin_field is not None else None
+        result = bradley_terry_loss(chosen, rejected, margin, self.job.rm.center_rewards_coef)
+        sums = {
+            "loss": float(result.losses.detach().sum()),
+            "accuracy": float(result.accuracy.sum()),
+            "chosen_reward": float(chosen.detach().sum()),
+            "rejected_reward": float(rejected.detach().sum()),
+            "margin": float(result.margins.sum()),
+            "weight": float(pairs),
+        }
+        return StepOutput(result.losses.sum() / normalizer, sums)
