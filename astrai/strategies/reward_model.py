@@ -49,6 +49,8 @@ def check_pad_token(tokenizer, job) -> None:
 class RewardModelStrategy(Strategy):
     name = "rm"
     loop = "offline"
+    # Held-out figures (eval/<name>): the default eval_metrics divides these sums by the pairs they cover.
+    eval_metric_names = ("loss", "accuracy", "margin", "chosen_reward", "rejected_reward")
 
     def __init__(self, job, tokenizer):
         super().__init__(job, tokenizer)

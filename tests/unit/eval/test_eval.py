@@ -42,7 +42,7 @@ ONLINE = """\
 rollout: {prompts_per_step: 2, group_size: 2, max_new_tokens: 4}
 reward: {function: "tests.unit.eval.test_eval:length_reward"}
 """
-FILES = {"sft": "sft", "seq": "text", "dpo": "preference", "grpo": "prompts"}
+FILES = {"sft": "sft", "seq": "text", "dpo": "preference", "rm": "preference", "grpo": "prompts"}
 
 
 def length_reward(responses: list[str]) -> list[float]:
@@ -151,6 +151,25 @@ def test_dpo_eval_figures_by_hand(one_rank, folder, precompute):
     assert figures["eval/loss"] == pytest.approx(float(-F.logsigmoid(chosen - rejected).mean()), rel=1e-5)
     assert figures["eval/accuracy"] == pytest.approx(float((chosen > rejected).double().mean()))
     assert figures["eval/margin"] == pytest.approx(float((chosen - rejected).mean()), rel=1e-5, abs=1e-7)
+
+
+def test_rm_eval_figures_by_hand(one_rank, folder):
+    """rm's held-out accuracy, margin and Bradley-Terry loss over the eval pairs, scored by the trained head."""
+    name = "rm_eval"
+    extra = f"eval: {{data_path: {folder / 'preference_eval.jsonl'}}}\n"
+    run = train(one_rank, write_job(folder, name, "rm", extra=extra))
+    figures = eval_records(folder, name)[3]
+    batch = run.strategy.collate([run.eval_dataset[i] for i in range(len(run.eval_dataset))])
+    module = run.engines["policy"].module.eval()
+    with torch.no_grad():
+        rewards = module(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).float()
+    pairs = batch["input_ids"].shape[0] // 2
+    chosen, rejected = rewards[:pairs], rewards[pairs:]
+    assert pairs == 6 and not torch.equal(chosen, rejected)  # a trained head tells the answers apart
+    assert figures["eval/loss"] == pytest.approx(float(-F.logsigmoid(chosen - rejected).mean()), rel=1e-5)
+    assert figures["eval/accuracy"] == pytest.approx(float((chosen > rejected).double().mean()))
+    assert figures["eval/margin"] == pytest.approx(float((chosen - rejected).mean()), rel=1e-5, abs=1e-7)
+    assert figures["eval/chosen_reward"] == pytest.approx(float(chosen.mean()), rel=1e-5, abs=1e-7)
 
 
 @pytest.mark.parametrize("train_type", ["sft", "grpo"])
