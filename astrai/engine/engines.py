@@ -273,9 +273,22 @@ class Engine:
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=None):
-                yield
+                try:
+                    yield
+                finally:
+                    self._settle_prefetches()
         else:
             yield
+
+    def _settle_prefetches(self) -> None:
+        """Wait for the fetches ZeRO-3's hooks started inside the block. Its forward hooks still run under
+        GatheredParameters: a post-forward hook releases a small partitioned parameter and the prefetcher
+        fetches it again for the next forward, so at the block's end one may be in flight, and DeepSpeed
+        refuses to partition it ("Cannot partition a param in flight"). Model-sized persistence thresholds
+        (engine/buckets.py) leave such parameters partitioned even in tiny models."""
+        offload = getattr(getattr(self._engine, "optimizer", None), "parameter_offload", None)
+        if offload is not None:
+            offload.get_param_coordinator()._clean_inflight_param_registry()  # waits, then releases each
 
     @contextlib.contextmanager
     def generation_module(self, zero3_mode: str = "copy"):
