@@ -21,8 +21,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def exact_match(completions, answer, **_):
-    """AstrAI's `astrai.rollout.rewards:arithmetic_exact_match`, in TRL's reward signature."""
-    return [float(str(text).strip() == str(expected).strip()) for text, expected in zip(completions, answer)]
+    """AstrAI's `astrai.rollout.rewards:arithmetic_exact_match`, in TRL's reward signature. Conversational prompts
+    give conversational completions ([{"role": "assistant", "content": text}]): the text is the last message's."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [float(str(text).strip() == str(expected).strip()) for text, expected in zip(texts, answer)]
 
 
 def main(argv=None) -> int:
