@@ -62,7 +62,12 @@ def main(argv=None) -> int:
     )
     # Saved and passed by path: with beta > 0 TRL loads its reference model from the policy's path.
     model_dir = os.path.join(os.path.dirname(args.out), "trl_model")
-    build_model(json.loads(args.model), 42).save_pretrained(model_dir)
+    model = build_model(json.loads(args.model), 42)
+    # Stop at the tokenizer's EOS only, as AstrAI does: TRL also stops at the model config's eos_token_id, which is
+    # Llama's default (2) here, another token of this char tokenizer (<|im_start|>).
+    model.config.eos_token_id = model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(model_dir)
     responses = args.prompts_per_step * args.group_size
     if responses % args.micro_batch:
         raise SystemExit(f"--micro-batch {args.micro_batch} does not divide {responses} responses")
