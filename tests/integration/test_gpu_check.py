@@ -1,5 +1,6 @@
 """scripts/gpu_check.sh --cpu: the GPU check's whole sequence (every phase, the report, the optimizer fallback)
-at a tiny shape on the CPU, so that no line of it meets a GPU unrun (only the device choice differs there)."""
+at a tiny shape on the CPU, in bf16 as on a GPU (DeepSpeed's bf16 engine, its checkpoints, resume, export, bf16
+rollouts; autocast in the plain loop), so that no line of it meets a GPU unrun: only the device choice differs."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def test_gpu_check_cpu_mode_runs_every_phase_and_reports(tmp_path):
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
     # An optimizer the job refuses: the sft phase must say so and finish with torch's AdamW, the path the GPU
     # check takes when DeepSpeed's fused Adam cannot be built there.
-    command = ["bash", "scripts/gpu_check.sh", "--cpu", "--optimizer", "no_such_adam", "--work", str(tmp_path / "w")]
+    command = ["bash", "scripts/gpu_check.sh", "--cpu", "--precision", "bf16", "--optimizer", "no_such_adam"]
+    command += ["--work", str(tmp_path / "w")]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
@@ -28,9 +30,12 @@ def test_gpu_check_cpu_mode_runs_every_phase_and_reports(tmp_path):
     assert files == ["console.log", "env.txt", "gpu_check.json", "gpu_check.md", "gpu_check_logs.txt"]
     assert len(files) <= 8  # the device tool returns at most 8 files
     assert "deepspeed" in (out / "env.txt").read_text()
-    rows = {row["phase"]: row for row in json.loads((out / "gpu_check.json").read_text())["rows"]}
+    results = json.loads((out / "gpu_check.json").read_text())
+    assert results["args"]["precision"] == "bf16"
+    assert "ZeRO-0, bf16" in (tmp_path / "w" / "sft_sdpa.log").read_text()  # DeepSpeed's bf16 engine trained
+    rows = {row["phase"]: row for row in results["rows"]}
     assert list(rows) == [
-        "peak", "nccl", "sft_sdpa", "plain_sdpa", "sft_flash", "plain_flash", "resume", "export", "grpo", "online_ppo"
+        "peak", "nccl", "sft_sdpa", "plain_sdpa", "resume", "export", "grpo", "online_ppo", "sft_flash", "plain_flash"
     ]  # fmt: skip
 
     assert rows["peak"]["peak_tflops"] > 0
