@@ -32,7 +32,7 @@ from astrai.engine.engines import with_batch_size, zero3_loading
 def zero3_building(ds_config: dict, enabled: bool, *, from_config: bool):
     """`model.zero3_init` under ZeRO-3 (`enabled`; nothing otherwise): a model built inside holds only this
     rank's partition of each parameter, whether loaded (`from_pretrained`: transformers' partitioned
-    loading) or built from a config (`from_config`, `from_config=True`: `zero3_construction`)."""
+    loading, `zero3_loading`) or built from a config (`from_config=True`: `zero3_construction`)."""
     with zero3_construction(ds_config, enabled and from_config), zero3_loading(ds_config, enabled and not from_config):
         yield
 
