@@ -22,6 +22,7 @@ from astrai.engine import (
     lr_lambda,
     make_engine,
     resolve_precision,
+    zero3_building,
     zero3_loading,
 )
 from astrai.eval.data import split_eval_data
@@ -160,11 +161,7 @@ def build_critic(job: JobConfig, dist: DistInfo, source: str, tokenizer, steps: 
         world_size=dist.world_size,
         zero_stage=critic.zero_stage,
     )
-    with zero3_loading(ds_config, job.model.zero3_init and (critic.path or job.model.path) is not None):
-        model = build_value_model(job.model, tokenizer, train.seed, critic.path)
-        if critic.lora is not None:  # inside: PEFT gathers partitioned weights it reads; the value head still trains
-            identity = critic_base_identity(job, model)
-            model = apply_lora(model, critic.lora, identity, key="critic.lora", keep_trainable=("value_head",))
+    model = build_critic_module(job, ds_config, tokenizer)
     if job.rl.packing:  # its packed forwards run sdpa one row at a time, as the policy's
         use_segment_attention(model.trunk)
     warmup = critic.warmup_steps if critic.warmup_steps is not None else warmup_steps(job, steps)
@@ -173,12 +170,34 @@ def build_critic(job: JobConfig, dist: DistInfo, source: str, tokenizer, steps: 
     return make_engine(model, ds_config, weight_decay=weight_decay, schedule=schedule)
 
 
+def partitioned_at_build(job: JobConfig, path: str | None, lora) -> bool:
+    """Whether a model is built holding only this rank's partition under ZeRO-3 (`model.zero3_init`): loaded
+    from `path`, or built from `model.init`, except a `model.init` base under LoRA (its identity in the
+    manifest hashes the whole initial weights, models/lora.py: built whole as before)."""
+    return job.model.zero3_init and (path is not None or lora is None)
+
+
+def build_critic_module(job: JobConfig, ds_config: dict, tokenizer):
+    """online_ppo's value model before its engine: `critic.path`, else warm-started from the policy's source;
+    partitioned while built under ZeRO-3 as the policy is."""
+    critic = job.critic
+    path = critic.path or job.model.path
+    partitioned = partitioned_at_build(job, path, critic.lora)
+    with zero3_building(ds_config, partitioned, from_config=path is None):
+        model = build_value_model(job.model, tokenizer, job.train.seed, critic.path)
+    if critic.lora is not None:
+        identity = critic_base_identity(job, model)
+        with zero3_loading(ds_config, partitioned):  # PEFT gathers partitioned weights it reads; the head trains
+            model = apply_lora(model, critic.lora, identity, key="critic.lora", keep_trainable=("value_head",))
+    return model
+
+
 def build_policy_model(job: JobConfig, ds_config: dict, tokenizer):
     """The policy module before its engine: `model.init` / `model.path`, then `model.init_from_checkpoint`'s
     weights when set (loaded whole on every rank, so not partitioned while loading under ZeRO-3)."""
     start = job.model.init_from_checkpoint
-    partitioned = job.model.zero3_init and job.model.path is not None and start is None
-    with zero3_loading(ds_config, partitioned):
+    partitioned = start is None and partitioned_at_build(job, job.model.path, job.model.lora)
+    with zero3_building(ds_config, partitioned, from_config=job.model.path is None):
         model = build_policy(job.model, tokenizer, job.train.seed)
     if start is not None:
         checkpoint = load_checkpoint_weights(model, start, tokenizer)

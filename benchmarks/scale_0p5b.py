@@ -6,6 +6,7 @@ in all); on a shared one smoke-test it at the tiny shape only:
     python benchmarks/scale_0p5b.py                                   # every phase, the 0.5B shape
     python benchmarks/scale_0p5b.py --phases sft_zero3,publish        # some phases
     python benchmarks/scale_0p5b.py --shape tiny --steps 2            # smoke run (a minute or two)
+    python benchmarks/scale_0p5b.py --shape mid --phases sft_zero3,sft_zero3_whole_init   # ~108M, a shared machine
 
 Phases (each one launch; peak RSS = the kernel's high-water mark VmHWM of every rank, polled):
     sft_zero3          sft under ZeRO-3 on 2 ranks for --steps steps; publishes its final checkpoint
@@ -16,6 +17,13 @@ Phases (each one launch; peak RSS = the kernel's high-water mark VmHWM of every 
     export_hf          python -m astrai export-hf of that checkpoint (one process)
     sft_zero2_offload  sft under ZeRO-2 with the optimizer offloaded to the CPU, 2 ranks
     grpo               grpo on the arithmetic prompts, 2 ranks, ZeRO-3, --steps rollouts
+    online_ppo         online_ppo (policy and critic engines, the reference, the arithmetic reward), 2 ranks,
+                       ZeRO-3, --steps rollouts, at --ppo-shape: `auto` takes the largest shape of
+                       0p5b > 0p5b_12l > 0p5b_8l > mid > tiny (not above --shape) whose `python -m astrai plan`
+                       total for 2 ranks fits in 70% of this machine's memory (the row's note says which; on
+                       the 24 GiB machine: 0p5b_8l)
+    sft_zero3_whole_init  (only when named) sft_zero3 with model.zero3_init=false: the model built whole on
+                       every rank before DeepSpeed partitions it, the baseline of model.zero3_init's building
 Beside each measured peak, `python -m astrai plan` gives its per-rank estimate for the same job.
 """
 
@@ -46,7 +54,8 @@ from benchmarks.common import (  # noqa: E402
 )
 
 CONFIG = REPO / "configs" / "scale_0p5b.yaml"
-PHASES = ("sft_zero3", "publish", "resume_2", "resume_1", "export_hf", "sft_zero2_offload", "grpo")
+PHASES = ("sft_zero3", "publish", "resume_2", "resume_1", "export_hf", "sft_zero2_offload", "grpo", "online_ppo")
+OPTIONAL_PHASES = ("sft_zero3_whole_init",)  # run only when named
 NEEDS_CHECKPOINT = {"publish", "resume_2", "resume_1", "export_hf"}
 # --shape tiny: the same job at a shape any machine runs in seconds (for the smoke test only).
 TINY = {
@@ -61,13 +70,49 @@ TINY = {
     "data.max_seq_len": 128,
     "train.logits_chunk_size": 64,
 }
+# --shape mid: the real 151,936-token vocabulary on a ~108M model (hidden 512, 8 layers) with short sequences,
+# small enough (~2 GiB per rank) to measure on a machine shared with other jobs.
+MID = {
+    "model.init.hidden_size": 512,
+    "model.init.intermediate_size": 2048,
+    "model.init.num_hidden_layers": 8,
+    "model.init.num_attention_heads": 8,
+    "model.init.num_key_value_heads": 2,
+    "data.max_seq_len": 256,
+    "train.micro_batch_size": 1,
+}
+# Largest first (--ppo-shape auto): the 0.5B shape, then with 12 and 8 of its 24 layers (its vocabulary and
+# width: 315M and 255M parameters), then mid and tiny.
+SHAPES = {
+    "0p5b": {},
+    "0p5b_12l": {"model.init.num_hidden_layers": 12},
+    "0p5b_8l": {"model.init.num_hidden_layers": 8},
+    "mid": MID,
+    "tiny": TINY,
+}
+# The plan ran ~30% under the measured peak at the mid shape (docs/benchmarks.md): auto keeps that margin.
+PPO_MEMORY_FRACTION = 0.7
+PPO_JOB = {
+    "train.train_type": "online_ppo",
+    "data.path": "data/arithmetic/prompts.jsonl",
+    "data.max_seq_len": 64,
+    "critic.lr": 1e-5,
+}
 PUBLISHED = re.compile(r"published (\S+): \d+ files .*?([\d.]+) MiB in ([\d.]+) s")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES)}")
-    parser.add_argument("--shape", choices=("0p5b", "tiny"), default="0p5b")
+    parser.add_argument(
+        "--phases", default=",".join(PHASES), help=f"comma-separated, of {', '.join(PHASES + OPTIONAL_PHASES)}"
+    )
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="0p5b")
+    parser.add_argument(
+        "--ppo-shape",
+        choices=("auto", *SHAPES),
+        default="auto",
+        help="online_ppo's shape; auto: the largest whose plan fits this machine (at most --shape)",
+    )
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps (rollouts for grpo) per training phase")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per phase")
     add_launch_arguments(parser, "scale_0p5b")
@@ -77,7 +122,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 class Bench:
     def __init__(self, args, work: Path):
         self.args, self.work = args, work
-        self.shape = TINY if args.shape == "tiny" else {}
+        self.shape = SHAPES[args.shape]
         self.rows: list[dict] = []
         self.checkpoint: Path | None = None
         self.publish_line: tuple[float, float] | None = None  # (MiB, seconds) of sft_zero3's final publish
@@ -85,6 +130,32 @@ class Bench:
     def overrides(self, output_dir: Path, **extra) -> list[str]:
         settings = {**self.shape, "output_dir": str(output_dir), "train.max_steps": self.args.steps, **extra}
         return [part for key, value in settings.items() for part in ("--set", f"{key}={value}")]
+
+    def ppo_shape(self) -> tuple[str, str]:
+        """online_ppo's shape and why: --ppo-shape, or the largest (not above --shape) whose plan fits."""
+        if self.args.ppo_shape != "auto":
+            return self.args.ppo_shape, "--ppo-shape"
+        names = list(SHAPES)
+        budget = PPO_MEMORY_FRACTION * memory_total_mib()
+        for name in names[names.index(self.args.shape) :]:
+            settings = {**SHAPES[name], **PPO_JOB, "output_dir": str(self.work / "plan"), "train.max_steps": 1}
+            overrides = [part for key, value in settings.items() for part in ("--set", f"{key}={value}")]
+            per_rank = self.planned_mib(2, overrides)
+            if per_rank is not None and 2 * per_rank <= budget:
+                fraction = f"{PPO_MEMORY_FRACTION:.0%}"
+                return name, f"plan {2 * per_rank:,.0f} MiB for 2 ranks <= {budget:,.0f} MiB ({fraction} of memory)"
+            print(f"online_ppo at shape {name}: plan {per_rank} MiB per rank, over {budget:,.0f} MiB", flush=True)
+        return names[-1], "no shape's plan fits: the smallest"
+
+    def online_ppo(self) -> None:
+        name, reason = self.ppo_shape()
+        shape, self.shape = self.shape, SHAPES[name]
+        try:
+            row = self.train("online_ppo", 2, self.work / "online_ppo", **PPO_JOB)
+        finally:
+            self.shape = shape
+        row["shape"] = name
+        row["note"] = f"shape {name} ({reason})"
 
     def planned_mib(self, ranks: int, overrides: list[str]) -> float | None:
         """`python -m astrai plan`'s per-rank total (host, on this CPU machine; GPU + host elsewhere)."""
@@ -195,6 +266,10 @@ class Bench:
                     self.work / phase,
                     **{"deepspeed.config": "ds_configs/zero2.json", "deepspeed.offload_optimizer": "cpu"},
                 )
+            elif phase == "sft_zero3_whole_init":
+                self.train(phase, 2, self.work / phase, **{"model.zero3_init": "false"})
+            elif phase == "online_ppo":
+                self.online_ppo()
             elif phase == "grpo":
                 grpo = {
                     "train.train_type": "grpo",
@@ -202,6 +277,14 @@ class Bench:
                     "data.max_seq_len": 64,
                 }
                 self.train(phase, 2, self.work / phase, **grpo)
+
+
+def memory_total_mib() -> float:
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no MemTotal in /proc/meminfo")
 
 
 def render(rows: list[dict], args) -> str:
@@ -238,9 +321,9 @@ def render(rows: list[dict], args) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     phases = [phase for phase in args.phases.split(",") if phase]
-    unknown = sorted(set(phases) - set(PHASES))
+    unknown = sorted(set(phases) - set(PHASES) - set(OPTIONAL_PHASES))
     if unknown:
-        print(f"unknown phases {unknown}; choose from {', '.join(PHASES)}", file=sys.stderr)
+        print(f"unknown phases {unknown}; choose from {', '.join(PHASES + OPTIONAL_PHASES)}", file=sys.stderr)
         return 2
     results_dir, work, info = fresh_workspace(args.results_dir, args.name)
     bench = Bench(args, work)

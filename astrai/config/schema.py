@@ -75,7 +75,10 @@ class ModelConfig(Section):
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     zero3_init: bool = Field(
-        True, description="Under ZeRO-3, load `model.path` weights partitioned (never a full copy per rank)."
+        True,
+        description="Under ZeRO-3, load `model.path` weights partitioned (never a full copy per rank). A `model.init` "
+        "policy, and the reference and critic built from it, are built partitioned too, module by module, with "
+        "exactly the whole build's initial weights for `train.seed` (a LoRA base of `model.init` is built whole).",
     )
     reference_path: str | None = Field(
         None, description="Frozen reference model for `dpo`/RL (default: the policy's starting weights)."

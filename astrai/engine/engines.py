@@ -468,6 +468,17 @@ def make_frozen_engine(model: torch.nn.Module, trainable_config: dict) -> Frozen
     return FrozenEngine(ds_engine, config)
 
 
+def with_batch_size(ds_config: dict) -> dict:
+    """A copy of `ds_config` with the `train_batch_size` DeepSpeedConfig checks (what `initialize` derives)."""
+    config = copy.deepcopy(ds_config)
+    config["train_batch_size"] = (
+        config["train_micro_batch_size_per_gpu"]
+        * config["gradient_accumulation_steps"]
+        * max(1, dist.get_world_size() if dist.is_initialized() else 1)
+    )
+    return config
+
+
 @contextlib.contextmanager
 def zero3_loading(ds_config: dict, enabled: bool):
     """While active, `from_pretrained` loads weights already partitioned across ranks (ZeRO-3)."""
@@ -476,13 +487,7 @@ def zero3_loading(ds_config: dict, enabled: bool):
         return
     from transformers.integrations import HfDeepSpeedConfig
 
-    config = copy.deepcopy(ds_config)
-    config["train_batch_size"] = (
-        config["train_micro_batch_size_per_gpu"]
-        * config["gradient_accumulation_steps"]
-        * max(1, dist.get_world_size() if dist.is_initialized() else 1)
-    )
-    keep_alive = HfDeepSpeedConfig(config)  # transformers reads it through a weak reference
+    keep_alive = HfDeepSpeedConfig(with_batch_size(ds_config))  # transformers reads it through a weak reference
     try:
         yield
     finally:

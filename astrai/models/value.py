@@ -62,8 +62,13 @@ class ValueModel(nn.Module):
         super().__init__()
         self.trunk = trunk
         self.value_head = nn.Linear(hidden_size(trunk.config), 1)
-        nn.init.zeros_(self.value_head.weight)
-        nn.init.zeros_(self.value_head.bias)
+        with torch.no_grad():
+            for parameter in self.value_head.parameters():
+                parameter.zero_()
+                # Built partitioned (ZeRO-3 `model.zero3_init`, engine/zero3_init.py): the local tensor is empty
+                # and this rank's slice lives in DeepSpeed's `ds_tensor`.
+                if hasattr(parameter, "ds_tensor"):
+                    parameter.ds_tensor.zero_()
 
     @property
     def config(self):

@@ -19,7 +19,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from astrai.engine.portable_state import STATE_KEYS, PortableError, read_deepspeed_state
@@ -74,17 +73,64 @@ class PortablePart:
         if document.get("format") != PART_FORMAT or document.get("version", 0) > PART_VERSION:
             raise PortableError(f"{self.folder}: {INFO_FILE} is not a portable part this AstrAI reads")
         self.info = PartInfo(**document)
-        self._files = {
-            key: safe_open(str(self.folder / f"{key}.safetensors"), framework="pt", device="cpu") for key in STATE_KEYS
-        }
+        self._files = {key: TensorFile(self.folder / f"{key}.safetensors") for key in STATE_KEYS}
 
     @property
     def names(self) -> list[str]:
         return self.info.names
 
     def tensor(self, key: str, name: str) -> torch.Tensor:
-        return self._files[key].get_tensor(name)
+        return self._files[key].tensor(name)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter's full shape, read from the safetensors header (no tensor is read)."""
-        return {name: tuple(self._files["fp32"].get_slice(name).get_shape()) for name in self.names}
+        return {name: self._files["fp32"].shape(name) for name in self.names}
+
+
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+class TensorFile:
+    """A safetensors file read one tensor at a time with plain reads into a fresh tensor, not through a
+    memory map: every mapped page a load touches stays in the process's RSS until the file is closed, and
+    a resume reads every tensor of a part's three files (weights and both Adam moments: 3x the model's
+    fp32 size on every rank, on top of the engine's own state). Read this way, only the tensor being
+    placed is held."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as handle:
+                length = int.from_bytes(handle.read(8), "little")
+                header = json.loads(handle.read(length))
+        except (OSError, ValueError) as error:
+            raise PortableError(f"{self.path}: unreadable safetensors header ({error})") from error
+        header.pop("__metadata__", None)
+        self.header, self.data_start = header, 8 + length
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._entry(name)["shape"])
+
+    def _entry(self, name: str) -> dict:
+        if name not in self.header:
+            raise PortableError(f"{self.path}: no tensor {name!r}")
+        return self.header[name]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        entry = self._entry(name)
+        if entry.get("dtype") not in SAFETENSORS_DTYPES:
+            raise PortableError(f"{self.path}: {name} has dtype {entry.get('dtype')!r}, not a float type")
+        begin, end = entry["data_offsets"]
+        tensor = torch.empty(entry["shape"], dtype=SAFETENSORS_DTYPES[entry["dtype"]])
+        view = memoryview(tensor.view(-1).view(torch.uint8).numpy())
+        if view.nbytes != end - begin:
+            raise PortableError(f"{self.path}: {name} holds {end - begin} bytes, its shape needs {view.nbytes}")
+        with open(self.path, "rb", buffering=0) as handle:
+            handle.seek(self.data_start + begin)
+            done = 0
+            while done < view.nbytes:
+                count = handle.readinto(view[done:])
+                if not count:
+                    raise PortableError(f"{self.path}: truncated inside {name}")
+                done += count
+        return tensor

@@ -172,12 +172,17 @@ def test_logits_memory_smoke(tmp_path):
 @pytest.mark.slow
 def test_scale_0p5b_smoke_at_the_tiny_shape(tmp_path):
     payload = run_benchmark(
-        "scale_0p5b.py", tmp_path, "--shape", "tiny", "--steps", "1", "--phases", "publish,export_hf", timeout=900
+        "scale_0p5b.py",
+        tmp_path,
+        *("--shape", "tiny", "--steps", "1", "--phases", "publish,export_hf,online_ppo"),
+        timeout=900,
     )
     phases = {row["phase"]: row for row in payload["rows"]}
-    assert list(phases) == ["sft_zero3", "publish", "export_hf"]  # publish and export read sft_zero3's checkpoint
+    # publish and export read sft_zero3's checkpoint
+    assert list(phases) == ["sft_zero3", "publish", "export_hf", "online_ppo"]
     assert all(row["exit"] == 0 for row in phases.values())
     assert len(phases["sft_zero3"]["peak_rss_mib"]) == 2 and phases["publish"]["plain_copy_fsync_s"] > 0
+    assert phases["online_ppo"]["shape"] == "tiny" and len(phases["online_ppo"]["peak_rss_mib"]) == 2
 
 
 @pytest.mark.slow
