@@ -78,7 +78,8 @@ class ModelConfig(Section):
         True,
         description="Under ZeRO-3, load `model.path` weights partitioned (never a full copy per rank). A `model.init` "
         "policy, and the reference and critic built from it, are built partitioned too, module by module, with "
-        "exactly the whole build's initial weights for `train.seed` (a LoRA base of `model.init` is built whole).",
+        "exactly the whole build's initial weights for `train.seed` (a LoRA base of `model.init` is built whole; on a "
+        "GPU a `model.init` model is still built whole until that path is checked there).",
     )
     reference_path: str | None = Field(
         None, description="Frozen reference model for `dpo`/RL (default: the policy's starting weights)."

@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 
 import torch
 
 from astrai.engine.engines import with_batch_size, zero3_loading
+
+logger = logging.getLogger("astrai.engine")
 
 
 @contextlib.contextmanager
@@ -48,6 +51,17 @@ def zero3_construction(ds_config: dict, enabled: bool):
         yield
         return
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        # zero.Init builds on the accelerator, whose generator is not the CPU one the whole build draws from: the
+        # weights would differ from ZeRO-0's. Proven on the CPU only, so a GPU builds whole until checked there.
+        logger.info(
+            "model.zero3_init: a model.init model is built whole on %s (partitioned build: CPU only)",
+            get_accelerator().device_name(),
+        )
+        yield
+        return
     from transformers import PreTrainedModel
     from transformers.integrations.deepspeed import prevent_arange_dtype_change
 
