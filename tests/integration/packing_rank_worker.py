@@ -123,6 +123,7 @@ def train_one_step(run) -> dict:
     return {
         "optimizer_steps": run.engines["policy"].global_steps - before,
         "expected": run.strategy.optimizer_steps_per_step(torch.distributed.get_world_size()),
+        "zero_stage": run.engines["policy"].zero_stage,
     }
 
 
@@ -156,6 +157,10 @@ def main() -> int:
         run = build_run(load_and_check(entry["config"], entry.get("set", [])), dist, entry["config"])
         for engine in run.engines.values():
             engine.train()
+        if entry.get("loop_only"):  # the real loop alone (ZeRO-3: gradients are partitioned, not compared)
+            report[entry["name"]] = {"loop": train_one_step(run)}
+            run = None
+            continue
         if run.strategy.loop == "offline":
             outcome = {}
             for setting, batch in offline_batches(run, dist.rank):
