@@ -3,6 +3,7 @@
     python benchmarks/profile_grpo_step.py                  # the benchmark's job, 8 steps, 1 process
     python benchmarks/profile_grpo_step.py --steps 12 --top 40
     python benchmarks/profile_grpo_step.py --set rl.packing=true --name profile_grpo_step_packed
+    python benchmarks/profile_grpo_step.py --trl               # also TRL's GRPOTrainer (benchmarks/.venv-trl)
 
 The same job as grpo_vs_trl.py's `astrai` variant (its `astrai_job`: small Llama, 16 prompts x 8, 8 new tokens,
 KL 0.04 with a reference, one optimizer step per rollout, fp32, ZeRO-2 template), built and run in this
@@ -19,13 +20,14 @@ import cProfile
 import json
 import os
 import pstats
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import fresh_workspace, machine_line  # noqa: E402
+from benchmarks.common import child_env, fresh_workspace, machine_line  # noqa: E402
 from benchmarks.grpo_vs_trl import astrai_job, prepare  # noqa: E402
 
 LOOP = ("astrai/trainer.py", "train_online")
@@ -53,6 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads, as the benchmark's ranks")
     parser.add_argument("--set", action="append", default=[], help="a job override, e.g. rl.packing=true")
+    parser.add_argument("--trl", action="store_true", help="also profile TRL's GRPOTrainer on the same job")
     parser.add_argument("--top", type=int, default=0, help="also print the N functions with most own time")
     parser.add_argument("--results-dir", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--name", default="profile_grpo_step")
@@ -88,6 +91,58 @@ def breakdown(stats: pstats.Stats, behaviour: bool) -> dict:
     }
     parts["other (loop, Python)"] = total - sum(parts.values())
     return {"loop_s": total, "parts": {label: {"s": s, "share": s / total} for label, s in parts.items()}}
+
+
+TRL_LOOP = ("transformers/trainer.py", "_inner_training_loop")
+TRL_FUNCTIONS = {
+    "generate": ("trl/trainer/grpo_trainer.py", "_generate_single_turn"),
+    "tokenize": ("trl/trainer/grpo_trainer.py", "_tokenize_prompts"),
+    "reward": ("trl/trainer/grpo_trainer.py", "_calculate_rewards"),
+    "score": ("trl/trainer/grpo_trainer.py", "_generate_and_score_completions"),
+    "logps": ("trl/trainer/grpo_trainer.py", "_get_per_token_logps_and_entropies"),
+    "compute_loss": ("trl/trainer/grpo_trainer.py", "_compute_loss"),
+    "backward": ("accelerate/accelerator.py", "backward"),
+    "clip": ("accelerate/accelerator.py", "clip_grad_norm_"),
+    "optimizer": ("accelerate/optimizer.py", "step"),
+}
+
+
+def trl_breakdown(stats: pstats.Stats) -> dict:
+    """TRL's GRPOTrainer loop by the same parts: `_generate_and_score_completions` holds generation, prompt
+    tokenisation, rewards and the reference (and old-policy) forwards; `_compute_loss` the policy forward."""
+    total = cumulative(stats, *TRL_LOOP)
+    seconds = {name: cumulative(stats, *where) for name, where in TRL_FUNCTIONS.items()}
+    in_loss = seconds["compute_loss"]
+    reference = seconds["logps"] - min(in_loss, seconds["logps"])  # the policy's calls are inside _compute_loss
+    parts = {
+        "rollout: generate (prefill + decode steps)": seconds["generate"],
+        "rollout: texts, masks, padding": seconds["score"] - seconds["generate"] - seconds["reward"] - reference,
+        "reward": seconds["reward"],
+        "reference forward": reference,
+        "policy forward + loss": in_loss,
+        "policy backward": seconds["backward"],
+        "optimizer step": seconds["optimizer"] + seconds["clip"],
+    }
+    parts["other (loop, Python)"] = total - sum(parts.values())
+    return {"loop_s": total, "parts": {label: {"s": s, "share": s / total} for label, s in parts.items()}}
+
+
+def profile_trl(work: Path, tokenizer: Path, init: dict, args) -> dict | None:
+    """benchmarks/trl_grpo.py under cProfile with the python of benchmarks/.venv-trl (made as grpo_vs_trl.py
+    makes it); None when that venv cannot be made."""
+    from benchmarks.grpo_vs_trl import TRL_VENV, ensure_trl_venv, trl_arguments
+
+    if (why := ensure_trl_venv()) is not None:
+        print(f"TRL skipped: {why}")
+        return None
+    output = work / "trl.pstats"
+    command = [str(TRL_VENV / "bin" / "python"), "-m", "cProfile", "-o", str(output)]
+    command += trl_arguments(init, tokenizer, args, work / "trl_steps.json")
+    environment = child_env(OMP_NUM_THREADS=str(args.threads))  # as grpo_vs_trl.py launches it
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # set by our own rank above
+        environment.pop(name, None)
+    subprocess.run(command, check=True, env=environment)
+    return {**trl_breakdown(pstats.Stats(str(output))), "steps": args.steps}
 
 
 def markdown(result: dict) -> str:
@@ -138,6 +193,10 @@ def main(argv=None) -> int:
     print(table)
     if args.top:
         stats.sort_stats("tottime").print_stats(args.top)
+    if args.trl and (trl := profile_trl(work, tokenizer, init, args)) is not None:
+        result["trl"] = trl
+        table += "\n\nTRL GRPOTrainer, same job:\n\n" + markdown(trl)
+        print(markdown(trl))
     (results_dir / f"{args.name}.json").write_text(json.dumps(result, indent=1))
     (results_dir / f"{args.name}.md").write_text(table + "\n")
     stats.dump_stats(str(work / "profile.pstats"))
