@@ -165,12 +165,15 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     from astrai.build import build_run
-    from astrai.engine import setup_distributed, shutdown_distributed
-    from astrai.train import load_and_check
+    from astrai.engine import setup_distributed, shutdown_distributed, tune_malloc
+    from astrai.train import apply_environment, load_and_check
     from astrai.trainer import train_online
 
     job = load_and_check(str(job_path), args.set)
+    apply_environment(job.runtime.environment)
     dist = setup_distributed(600)
+    if job.runtime.tune_malloc:  # as astrai/train.py does: without it every step faults its buffers in again
+        tune_malloc()
     torch.set_num_threads(args.threads)  # setup pins threads per rank; profile at the benchmark's count
     run = build_run(job, dist, str(job_path))
     profiler = cProfile.Profile()
