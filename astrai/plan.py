@@ -231,10 +231,10 @@ def checkpoint_bytes(parameters: int, stage: int, precision: str) -> int:
 
 def sequence_geometry(job) -> tuple[int, int]:
     """(sequences per micro-batch, tokens per sequence): a dpo pair is two sequences; RL sequences are
-    prompt (<= data.max_seq_len) + response (<= rollout.max_new_tokens). data.packing: one packed row of
-    train.micro_batch_tokens."""
+    prompt (<= data.max_seq_len) + response (<= rollout.max_new_tokens). data.packing, rl.packing: one packed
+    row of train.micro_batch_tokens."""
     train_type = job.train.train_type
-    if job.data.packing:
+    if job.data.packing or (job.rl.packing and train_type in ("grpo", "online_ppo")):
         return 1, job.train.micro_batch_tokens
     if train_type in ("grpo", "online_ppo"):
         return job.train.micro_batch_size, job.data.max_seq_len + job.rollout.max_new_tokens

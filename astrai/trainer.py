@@ -221,9 +221,10 @@ def train_online(run: Run) -> TrainerState:
             # 2. Frozen targets: rewards, reference log-probs, values, advantages, returns; fixed for every epoch below.
             targets = strategy.frozen_targets(rollout)
             rollout_seconds = time.perf_counter() - rollout_started
-            # 3. Replay: each minibatch is one optimizer step of `accumulation` micro-batches per rank, for
-            # every engine part the strategy trains this step (not the policy in a critic warmup step). Only policy
-            # steps count as versions.
+            # 3. Replay: each minibatch is one optimizer step of `accumulation` micro-batches per rank (rl.packing:
+            # its token cut, as many on every rank), for every engine part the strategy trains this step (not the
+            # policy in a critic warmup step). Only policy steps count as versions. DeepSpeed divides every loss
+            # by `accumulation` whatever the count, so the normaliser does too.
             train_started = time.perf_counter()
             training = {part: engine for part, engine in parts.items() if strategy.trains_part(part, step)}
             lrs, sums = {part: engine.lr for part, engine in parts.items()}, defaultdict(float)
@@ -237,11 +238,15 @@ def train_online(run: Run) -> TrainerState:
                     for index, (batch, weight) in enumerate(zip(micro_batches, weights)):
                         last = index == len(micro_batches) - 1
                         for part, engine in training.items():
+                            if strategy.cuts_by_tokens:  # rl.packing: not A micro-batches, so say where it ends
+                                engine.set_accumulation_boundary(last)
                             output = strategy.part_loss(part, engine, batch, normalizer)
                             nonfinite[part] |= not is_finite(output.loss)
                             engine.backward(output.loss)
                             if last:
                                 applied[part] = finish_update(engine, run, nonfinite[part], part, step)
+                                if strategy.cuts_by_tokens:
+                                    engine.set_accumulation_boundary(None)
                             else:
                                 engine.step()
                             _add(sums, output)

@@ -149,17 +149,23 @@ def ensure_trl_venv() -> str | None:
     return None
 
 
+def trl_arguments(init: dict, tokenizer: Path, args, out: Path) -> list[str]:
+    """benchmarks/trl_grpo.py and its arguments for the job's settings (TRL's python goes before them)."""
+    command = [str(REPO / "benchmarks" / "trl_grpo.py")]
+    command += ["--model", json.dumps(init), "--tokenizer", str(tokenizer), "--prompts", str(PROMPTS)]
+    command += ["--steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step)]
+    command += ["--group-size", str(args.group_size), "--micro-batch", str(MICRO_BATCH)]
+    command += ["--new-tokens", str(args.new_tokens), "--kl-coef", str(KL_COEF), "--lr", str(LR), "--out", str(out)]
+    return command
+
+
 def run_variant(variant: str, round_index: int, work: Path, tokenizer: Path, init: dict, args) -> dict:
     name = f"{variant}_r{round_index}"
     log = work / "logs" / f"{name}.log"
     if variant == "trl":
         out = work / "out" / f"{name}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        command = [str(TRL_VENV / "bin" / "python"), str(REPO / "benchmarks" / "trl_grpo.py")]
-        command += ["--model", json.dumps(init), "--tokenizer", str(tokenizer), "--prompts", str(PROMPTS)]
-        command += ["--steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step)]
-        command += ["--group-size", str(args.group_size), "--micro-batch", str(MICRO_BATCH)]
-        command += ["--new-tokens", str(args.new_tokens), "--kl-coef", str(KL_COEF), "--lr", str(LR), "--out", str(out)]
+        command = [str(TRL_VENV / "bin" / "python"), *trl_arguments(init, tokenizer, args, out)]
     else:
         job = astrai_job(work, tokenizer, init, args, name, share_prefill=variant == "astrai")
         command = deepspeed_command(1, REPO / "astrai" / "train.py", "--config", str(job))

@@ -38,6 +38,7 @@ from typing import NamedTuple
 
 import torch
 
+from astrai.algos.logprobs import row_blocks
 from astrai.algos.masked import masked_aggregate, masked_mean, masked_var
 
 
@@ -237,21 +238,21 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of the next-token distribution: H_t = logsumexp(l_t) - sum_v softmax(l_t)_v * l_t,v.
 
     logits: [batch, seq_len, vocab] (any float dtype). Returns [batch, seq_len] in float32
-    (float64 for float64 logits), differentiable. One sequence at a time, like
-    `logprobs.token_logprobs`, to bound the float32 working memory. Logits of -inf (masked
-    vocabulary entries) are allowed: they have probability 0 and add nothing.
+    (float64 for float64 logits), differentiable. A block of sequences at a time, like
+    `logprobs.token_logprobs` (`row_blocks`), to bound the float32 working memory. Logits of -inf
+    (masked vocabulary entries) are allowed: they have probability 0 and add nothing.
     """
     dtype = logits.dtype if logits.dtype in (torch.float32, torch.float64) else torch.float32
     rows = []
-    for row_logits in logits:
-        row_logits = row_logits.to(dtype)
-        probabilities = torch.softmax(row_logits, dim=-1)
+    for block_logits in logits.split(row_blocks(logits)):
+        block_logits = block_logits.to(dtype)
+        probabilities = torch.softmax(block_logits, dim=-1)
         # p * l is 0 * -inf = NaN for masked entries, in the forward and in the gradient alike.
-        finite_logits = row_logits.masked_fill(~torch.isfinite(row_logits), 0.0)
-        rows.append(torch.logsumexp(row_logits, dim=-1) - (probabilities * finite_logits).sum(dim=-1))
+        finite_logits = block_logits.masked_fill(~torch.isfinite(block_logits), 0.0)
+        rows.append(torch.logsumexp(block_logits, dim=-1) - (probabilities * finite_logits).sum(dim=-1))
     if not rows:
         return torch.zeros(logits.shape[:-1], dtype=dtype, device=logits.device)
-    return torch.stack(rows)
+    return rows[0] if len(rows) == 1 else torch.cat(rows)
 
 
 def broadcast_sequence_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

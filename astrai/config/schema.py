@@ -202,7 +202,10 @@ class TrainConfig(Section):
         4096,
         ge=8,
         description="With `data.packing`: the token budget of one packed micro-batch (replaces micro_batch_size); "
-        "every row must fit in it (a dpo pair: chosen + rejected).",
+        "every row must fit in it (a dpo pair: chosen + rejected). With `rl.packing`: each optimizer step's "
+        "sequences (micro_batch_size x grad_accum_steps per rank) are cut into micro-batches of up to this many "
+        "prompt + response tokens, every sequence whole, as many on every rank; data.max_seq_len + "
+        "rollout.max_new_tokens must fit in it.",
     )
     lr: float = Field(1e-4, gt=0, description="Peak learning rate.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate as a fraction of `lr`.")
@@ -664,7 +667,8 @@ class RlConfig(Section):
     packing: bool = Field(
         False,
         description="Padding-free forwards of the policy, reference and critic (grpo, online_ppo): each "
-        "micro-batch's sequences run as one packed row without their padding; the losses are unchanged.",
+        "micro-batch's sequences run as one packed row without their padding, micro-batches cut by "
+        "`train.micro_batch_tokens` instead of `train.micro_batch_size`; the losses are unchanged.",
     )
     epochs_per_rollout: int = Field(
         1,

@@ -140,6 +140,15 @@ def all_reduce_sum(value: float | int, device: torch.device) -> float:
     return all_reduce_sums([value], device)[0]
 
 
+def all_reduce_maxes(values: list[int], device: torch.device) -> list[int]:
+    """Each integer's largest value over all ranks, in one all-reduce (identity on one process)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or not values:
+        return [int(value) for value in values]
+    tensor = torch.tensor([int(value) for value in values], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [int(value) for value in tensor.tolist()]
+
+
 def all_gather_objects(value: Any) -> list[Any]:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [value]

@@ -84,6 +84,12 @@ class Engine:
             self._stage0_grad_norm = float(torch.nn.utils.get_total_norm(gradients)) if gradients else None
         self._engine.step()
 
+    def set_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Before each micro-batch's forward when an optimizer step runs a varying number of them (rl.packing's
+        token cut): True on its last, False before; None hands the boundary back to DeepSpeed's own count of
+        gradient_accumulation_steps. DeepSpeed still divides every loss by gradient_accumulation_steps."""
+        self._engine.set_gradient_accumulation_boundary(is_boundary)
+
     def skip_update(self) -> None:
         """At the accumulation boundary, instead of `step()`: discard this optimizer step. DeepSpeed's own
         step runs (so every ZeRO stage clears its gradients and partition buffers its own way, and its

@@ -39,7 +39,7 @@ forked RNG, so a resumed run samples the same responses as an uninterrupted one 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -228,6 +228,7 @@ def generate_rollout(
     behaviour_logprobs: bool = True,
     logits_chunk_size: int = 0,
     packed: bool = False,
+    logprob_batches: Callable[[dict[str, torch.Tensor]], list[list[int]] | None] | None = None,
 ) -> RolloutResult:
     """Sample `settings.group_size` responses to each prompt and take their behaviour log-probs (recomputed
     by the engine's forward, or kept from the sampler: `settings.behaviour_logprobs`, see
@@ -238,7 +239,9 @@ def generate_rollout(
     messages, rows: per prompt, handed on to the rewards. settings: the `rollout:` config section.
     Every rank must call this with the same number of prompts under ZeRO-3. behaviour_logprobs=False
     takes none (the result's behaviour_logprobs is None). packed (rl.packing): the recomputing forward runs
-    without the padding (rollout/packed.py). logits_chunk_size: `train.logits_chunk_size`.
+    without the padding (rollout/packed.py). logits_chunk_size: `train.logits_chunk_size`. logprob_batches: the
+    recomputing forward's micro-batches of the joined sequences (rl.packing's token cut, `forward_batches`);
+    None or returning None: logprob_batch_size sequences at a time.
     """
     group = settings.group_size
     device = engine.device
@@ -269,6 +272,7 @@ def generate_rollout(
             vocab_size=len(tokenizer),
             chunk_size=logits_chunk_size,
             packed=packed,
+            batches=None if logprob_batches is None else logprob_batches(sequences),
         )
     prompt_texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
     response_texts = [

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from astrai.data.packing import SEGMENT_ATTENTION, attention_of, segment_keywords
+from astrai.data.packing import SEGMENT_ATTENTION, PackingError, attention_of, segment_keywords
 
 
 def pack_padded(sequences: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
@@ -67,3 +67,27 @@ def packed_response_values(critic, sequences: dict[str, torch.Tensor]) -> torch.
         inputs.update(segment_keywords(sequences["attention_mask"].sum(dim=1)))
     values = critic(**inputs)  # a ValueModel runs its trunk without a cache
     return unpack(values[0, keep], scored)
+
+
+def token_micro_batches(tokens: list[int], budget: int) -> list[list[int]]:
+    """`rl.packing`'s cut of sequences into forward micro-batches of at most `budget` tokens each (prompt +
+    response tokens, `train.micro_batch_tokens`), every sequence whole: first-fit over the sequences from the
+    longest, so a step runs few micro-batches. Returns each micro-batch's sequence indices, ascending; a
+    sequence over the budget is refused."""
+    for index, length in enumerate(tokens):
+        if length > budget:
+            raise PackingError(
+                f"rollout sequence {index} has {length} prompt + response tokens, more than train.micro_batch_tokens "
+                f"{budget}: raise train.micro_batch_tokens (a sequence is never split) to at least data.max_seq_len "
+                "+ rollout.max_new_tokens"
+            )
+    batches: list[list[int]] = []
+    loads: list[int] = []
+    for index in sorted(range(len(tokens)), key=lambda i: (-tokens[i], i)):
+        place = next((b for b, load in enumerate(loads) if load + tokens[index] <= budget), len(batches))
+        if place == len(batches):
+            batches.append([])
+            loads.append(0)
+        batches[place].append(index)
+        loads[place] += tokens[index]
+    return [sorted(batch) for batch in batches]

@@ -113,7 +113,7 @@ def response_forward(
     """
     response_len = sequences["response_ids"].shape[1]
     prompt_len = sequences["input_ids"].shape[1] - response_len
-    inputs = {key: sequences[key] for key in ("input_ids", "attention_mask", "position_ids")}
+    inputs = scoring_inputs(model, sequences)
     if packed:
         logits, output = packed_response_forward(model, sequences, _keeps_logits(model), **options)
     elif _keeps_logits(model):  # the LM head over the last R + 1 columns only, not over the whole prompt
@@ -145,7 +145,7 @@ def response_token_statistics(
     response_len = response_ids.shape[1]
     prompt_len = sequences["input_ids"].shape[1] - response_len
     scored = response_ids.masked_fill(~mask.bool(), -100)
-    inputs = {key: sequences[key] for key in ("input_ids", "attention_mask", "position_ids")}
+    inputs = scoring_inputs(model, sequences)
     # The output layer sees the last R + 1 positions (logits_to_keep) or all P + R; the response's
     # predictions are the R of them from column P - 1 on.
     kept = _keeps_logits(model)
@@ -181,16 +181,26 @@ def response_token_statistics(
     return logprobs, None, output
 
 
+def scoring_inputs(model, sequences: dict[str, torch.Tensor]) -> dict:
+    """The forward inputs of a scoring (not generating) forward, with use_cache=False where the model takes it:
+    such a forward has no later step to reuse a cache for, and with the model's default (use_cache true) every
+    attention layer copies its keys and values into a new cache (~3% of the benchmark's GRPO step)."""
+    inputs = {key: sequences[key] for key in ("input_ids", "attention_mask", "position_ids")}
+    if _forward_takes(type(getattr(model, "module", model)), "use_cache"):
+        inputs["use_cache"] = False
+    return inputs
+
+
 def _keeps_logits(model) -> bool:
     """Whether the causal LM under `model` (an engine wraps it as `.module`) takes transformers'
     `logits_to_keep`: most do; for one that does not, the full logits are sliced instead."""
-    return _forward_takes_logits_to_keep(type(getattr(model, "module", model)))
+    return _forward_takes(type(getattr(model, "module", model)), "logits_to_keep")
 
 
 @functools.cache
-def _forward_takes_logits_to_keep(model_class: type) -> bool:
-    """Asked once per model class, not at every forward of the hot loop."""
-    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+def _forward_takes(model_class: type, argument: str) -> bool:
+    """Whether the class's forward names `argument`; asked once per class, not at every forward of the hot loop."""
+    return argument in inspect.signature(model_class.forward).parameters
 
 
 def response_values(critic, sequences: dict[str, torch.Tensor], packed: bool = False) -> torch.Tensor:
@@ -220,6 +230,31 @@ def masked_token_logprobs(logits: torch.Tensor, response_ids: torch.Tensor, mask
     return torch.where(mask.bool(), logprobs, torch.zeros_like(logprobs))
 
 
+def forward_batches(total: int, batch_size: int, batches: list[list[int]] | None) -> list[list[int]]:
+    """The sequence indices of each forward: `batches` when given (rl.packing's token cut, as many on every
+    rank; an empty one is a forward whose output is dropped), else `batch_size` sequences at a time."""
+    if batches is not None:
+        return batches
+    return [list(range(start, min(start + batch_size, total))) for start in range(0, total, batch_size)]
+
+
+def _row_by_row(function, sequences: dict[str, torch.Tensor], batches: list[list[int]]) -> torch.Tensor:
+    """`function` ([n, ...] sequences -> [n, R] float32) over each batch of rows, put back at its rows' places."""
+    total = sequences["input_ids"].shape[0]
+    result = None
+    for rows in batches:
+        if not rows:  # ZeRO-3: every rank runs as many forwards (each gathers the weights); this one is dropped
+            function({key: value[:1] for key, value in sequences.items()})
+            continue
+        contiguous = rows == list(range(rows[0], rows[-1] + 1))  # a view, no copy (the plain cut's batches)
+        index = slice(rows[0], rows[-1] + 1) if contiguous else torch.tensor(rows, device=sequences["input_ids"].device)
+        part = function({key: value[index] for key, value in sequences.items()})
+        if result is None:
+            result = part.new_zeros((total, *part.shape[1:]))
+        result[index] = part
+    return result
+
+
 @torch.no_grad()
 def response_logprobs(
     model,
@@ -230,37 +265,37 @@ def response_logprobs(
     vocab_size: int | None = None,
     chunk_size: int = 0,
     packed: bool = False,
+    batches: list[list[int]] | None = None,
 ) -> torch.Tensor:
     """Per-token log-probs of the responses under `model`, no gradient: [N, R] float32, 0 on padding;
     normalised over the first `vocab_size` ids (see `response_logits`); chunked over positions with
     `chunk_size` (`train.logits_chunk_size`, see `response_token_statistics`).
 
-    Evaluated `batch_size` sequences at a time to bound activation memory. Under ZeRO-3 every rank
-    must call this with the same N (each forward is a collective); the online strategies ensure it.
+    Evaluated `batch_size` sequences at a time (or in `batches`, see `forward_batches`) to bound activation
+    memory. Under ZeRO-3 every rank must run as many forwards (each is a collective); the online strategies
+    ensure it.
     """
-    total = sequences["input_ids"].shape[0]
-    parts = []
-    for start in range(0, total, batch_size):
-        chunk = {key: value[start : start + batch_size] for key, value in sequences.items()}
-        statistics = response_token_statistics(
+
+    def logprobs(chunk: dict[str, torch.Tensor]) -> torch.Tensor:
+        return response_token_statistics(
             model, chunk, temperature=temperature, vocab_size=vocab_size, chunk_size=chunk_size, packed=packed
-        )
-        parts.append(statistics[0])
-    return torch.cat(parts)
+        )[0]
+
+    return _row_by_row(logprobs, sequences, forward_batches(sequences["input_ids"].shape[0], batch_size, batches))
 
 
 @torch.no_grad()
 def frozen_response_values(
-    critic, sequences: dict[str, torch.Tensor], *, batch_size: int, packed: bool = False
+    critic,
+    sequences: dict[str, torch.Tensor],
+    *,
+    batch_size: int,
+    packed: bool = False,
+    batches: list[list[int]] | None = None,
 ) -> torch.Tensor:
-    """`response_values` without gradient, `batch_size` sequences at a time: [N, R] float32. Under ZeRO-3
-    every rank must call it with the same N, as `response_logprobs`."""
+    """`response_values` without gradient, `batch_size` sequences at a time (or in `batches`): [N, R] float32.
+    Under ZeRO-3 every rank must run as many forwards, as `response_logprobs`."""
     total = sequences["input_ids"].shape[0]
-    parts = []
-    for start in range(0, total, batch_size):
-        parts.append(
-            response_values(
-                critic, {key: value[start : start + batch_size] for key, value in sequences.items()}, packed
-            )
-        )
-    return torch.cat(parts)
+    return _row_by_row(
+        lambda chunk: response_values(critic, chunk, packed), sequences, forward_batches(total, batch_size, batches)
+    )

@@ -77,6 +77,7 @@ class GrpoStrategy(OnlineStrategy):
                 vocab_size=len(self.tokenizer),
                 chunk_size=self.job.train.logits_chunk_size,
                 packed=self.job.rl.packing,
+                batches=self.forward_batches(targets),
             )
             if not self.kl_in_reward():
                 targets["reference_logprobs"] = reference

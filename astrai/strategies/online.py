@@ -7,6 +7,12 @@ group never spans ranks and its advantages need no communication. DeepSpeed fixe
 per optimizer step, so one minibatch is M x A sequences per rank (M x A x W in all) and each replay
 epoch makes (sequences per rank) / (M x A) optimizer steps.
 
+With rl.packing the sequences of a minibatch are instead cut into micro-batches of up to
+train.micro_batch_tokens prompt + response tokens (rollout/packed.py), as the forwards of the rollout
+and the frozen targets are: the count varies by step and rank, so every rank runs the largest count of
+any rank (an empty micro-batch where it has fewer), and the loop marks DeepSpeed's accumulation boundary
+itself. The normaliser still divides by A, as DeepSpeed divides every loss by A, so the update is the same.
+
 With rl.dynamic_sampling a step may draw several rounds of prompts (`dynamic_sampling.py`); it still ends
 with prompts_per_step / W whole groups per rank, so the geometry above holds.
 """
@@ -24,9 +30,10 @@ from astrai.algos.dapo import overlong_penalty
 from astrai.algos.masked import masked_aggregate, rows_with_tokens
 from astrai.config import ConfigError
 from astrai.data import render_rows
-from astrai.engine import all_reduce_sums
+from astrai.engine import all_reduce_maxes, all_reduce_sums
 from astrai.rollout import RolloutResult, build_reward, generate_rollout, reward_inputs, sampling_seed
 from astrai.rollout.generation import behaviour_logprobs_source
+from astrai.rollout.packed import token_micro_batches
 from astrai.rollout.prompts import decode_prompt_row, prompt_batch
 from astrai.run import Run
 from astrai.strategies.base import StepOutput, Strategy
@@ -81,6 +88,19 @@ def batch_geometry(job, world_size: int) -> BatchGeometry:
     )
 
 
+def check_token_budget(job) -> None:
+    """rl.packing: the longest sequence a rollout can make (data.max_seq_len + rollout.max_new_tokens) must fit
+    in one micro-batch of train.micro_batch_tokens, since a sequence is never split."""
+    longest = job.data.max_seq_len + job.rollout.max_new_tokens
+    if job.rl.packing and longest > job.train.micro_batch_tokens:
+        raise ConfigError(
+            f"rl.packing: a rollout sequence may have data.max_seq_len {job.data.max_seq_len} + "
+            f"rollout.max_new_tokens {job.rollout.max_new_tokens} = {longest} tokens, more than "
+            f"train.micro_batch_tokens {job.train.micro_batch_tokens}: raise train.micro_batch_tokens to at least "
+            f"{longest} (a sequence is never split)"
+        )
+
+
 def check_dapo_settings(job) -> None:
     """rl.dynamic_sampling and rl.overlong_penalty against the rest of the job, before any rank starts. (grpo's
     rollout.group_size >= 2, which dynamic sampling also needs, is checked by the schema.)"""
@@ -125,6 +145,7 @@ class OnlineStrategy(Strategy):
     @classmethod
     def check_job(cls, job, world_size: int) -> None:
         batch_geometry(job, world_size)
+        check_token_budget(job)
         check_dapo_settings(job)
 
     def optimizer_steps_per_step(self, world_size: int) -> int:
@@ -195,6 +216,7 @@ class OnlineStrategy(Strategy):
             behaviour_logprobs=self.needs_behaviour_logprobs(),
             logits_chunk_size=self.job.train.logits_chunk_size,
             packed=self.job.rl.packing,
+            logprob_batches=self.forward_batches,
         )
         if self.job.rl.mask_truncated:
             rollout.loss_rows = ~rollout.truncated
@@ -269,17 +291,59 @@ class OnlineStrategy(Strategy):
         arguments = self.aggregation(normalizer)
         return masked_aggregate(per_token, mask, arguments.pop("aggregation"), **arguments)
 
+    @property
+    def cuts_by_tokens(self) -> bool:
+        """rl.packing: micro-batches of up to train.micro_batch_tokens tokens, a varying number per step."""
+        return self.job.rl.packing
+
+    def agree_counts(self, counts: list[int]) -> list[int]:
+        """Each count's largest value over the ranks (one all-reduce): the micro-batches every rank runs."""
+        return all_reduce_maxes(counts, self.dist.device)
+
+    def token_cuts(self, sequences: dict[str, torch.Tensor], groups: list[torch.Tensor]) -> list[list[list[int]]]:
+        """rl.packing: each group of sequence indices (a minibatch, or all) cut by `token_micro_batches`, as
+        indices into `sequences`, padded with empty micro-batches to the count the ranks agree on."""
+        tokens = sequences["attention_mask"].sum(dim=1).tolist()
+        budget = self.job.train.micro_batch_tokens
+        cuts = []
+        for group in groups:
+            members = group.tolist()
+            cut = token_micro_batches([tokens[index] for index in members], budget)
+            cuts.append([[members[position] for position in batch] for batch in cut])
+        counts = self.agree_counts([len(cut) for cut in cuts])
+        return [cut + [[] for _ in range(count - len(cut))] for cut, count in zip(cuts, counts)]
+
+    def forward_batches(self, sequences: dict[str, torch.Tensor]) -> list[list[int]] | None:
+        """The micro-batches of a no-gradient forward over all of this rank's sequences (behaviour, reference,
+        critic values): rl.packing's token cut, else None (train.micro_batch_size sequences at a time)."""
+        if not self.cuts_by_tokens:
+            return None
+        return self.token_cuts(sequences, [torch.arange(sequences["input_ids"].shape[0])])[0]
+
     def minibatches(self, targets: Targets, *, step: int, epoch: int) -> Iterator[list[dict[str, torch.Tensor]]]:
-        """One list of grad_accum_steps micro-batches per optimizer step, over a fresh permutation of this
-        rank's sequences each epoch (seeded by step, epoch and rank, so a resumed run replays the same)."""
+        """One list of micro-batches per optimizer step, over a fresh permutation of this rank's sequences each
+        epoch (seeded by step, epoch and rank, so a resumed run replays the same): grad_accum_steps of
+        micro_batch_size sequences, or with rl.packing its token cut (`token_cuts`; an empty micro-batch is one
+        sequence without loss tokens, so that the rank still runs its forward and backward)."""
         geometry = self.geometry
         generator = torch.Generator().manual_seed(
             sampling_seed(self.job.train.seed, step, self.dist.rank, stream=1 + epoch)
         )
         order = torch.randperm(geometry.sequences_per_rank, generator=generator).to(targets["input_ids"].device)
-        for start in range(0, geometry.sequences_per_rank, geometry.sequences_per_update):
-            update = order[start : start + geometry.sequences_per_update]
-            yield [
-                {key: value[micro] for key, value in targets.items()}
-                for micro in update.split(geometry.micro_batch_size)
-            ]
+        updates = order.split(geometry.sequences_per_update)
+        if not self.cuts_by_tokens:
+            for update in updates:
+                yield [
+                    {key: value[micro] for key, value in targets.items()}
+                    for micro in update.split(geometry.micro_batch_size)
+                ]
+            return
+        for update, cut in zip(updates, self.token_cuts(targets, [update.cpu() for update in updates])):
+            micro_batches = []
+            for rows in cut:
+                index = torch.tensor(rows or [int(update[0])], device=order.device)
+                micro = {key: value[index] for key, value in targets.items()}
+                if not rows:  # weight 0: no loss token, so it adds nothing to the loss, the gradients or the sums
+                    micro["response_mask"] = torch.zeros_like(micro["response_mask"])
+                micro_batches.append(micro)
+            yield micro_batches

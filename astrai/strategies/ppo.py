@@ -140,7 +140,11 @@ class PPOStrategy(OnlineStrategy):
         targets = rollout.training_tensors()
         mask = targets["response_mask"]
         values = frozen_response_values(
-            self.critic, targets, batch_size=self.geometry.micro_batch_size, packed=settings.packing
+            self.critic,
+            targets,
+            batch_size=self.geometry.micro_batch_size,
+            packed=settings.packing,
+            batches=self.forward_batches(targets),
         )
         kl = self.reference_kl(targets)
         coefficient = self.kl_controller.value
@@ -173,6 +177,7 @@ class PPOStrategy(OnlineStrategy):
             vocab_size=len(self.tokenizer),
             chunk_size=self.job.train.logits_chunk_size,
             packed=settings.packing,
+            batches=self.forward_batches(targets),
         )
         if not settings.kl_in_reward:
             targets["reference_logprobs"] = reference

@@ -72,8 +72,26 @@ def offline_batches(run, rank: int) -> list[tuple[str, dict]]:
     return [("padded", padded), ("packed", strategy.collate(rows))]
 
 
-def online_results(run, all_reduce_sum) -> dict[str, dict]:
-    """rl.packing off and on: frozen targets, then the policy (and critic) loss of the first micro-batch."""
+def minibatch_backward(engine, strategy, compute, micro_batches, all_reduce_sum):
+    """One optimizer step's micro-batches as train_online runs them: one global normaliser (/ ranks x A),
+    DeepSpeed's accumulation boundary marked on the last (ZeRO-0 then averages the gradients over the ranks),
+    no update. Returns (global loss, normaliser units, gradients averaged over ranks)."""
+    world, accumulation = torch.distributed.get_world_size(), strategy.job.train.grad_accum_steps
+    weight = all_reduce_sum(sum(strategy.loss_weight(batch) for batch in micro_batches), engine.device)
+    normalizer = max(weight, 1.0) / (world * accumulation)
+    loss = 0.0
+    for index, batch in enumerate(micro_batches):
+        engine.set_accumulation_boundary(index == len(micro_batches) - 1)
+        output = compute(engine, batch, normalizer)
+        engine.backward(output.loss)
+        loss += float(output.loss.detach()) / accumulation
+    engine.set_accumulation_boundary(None)
+    return all_reduce_sum(loss, engine.device) / world, weight, gradients(engine)
+
+
+def online_results(run, all_reduce_sum, all_gather_objects) -> dict[str, dict]:
+    """rl.packing off and on: frozen targets, then the policy (and critic) update of the first minibatch
+    (with packing cut by train.micro_batch_tokens), and each rank's micro-batches (with loss tokens, in all)."""
     import copy
 
     job, strategy, policy = run.job, run.strategy, run.engines["policy"]
@@ -82,14 +100,31 @@ def online_results(run, all_reduce_sum) -> dict[str, dict]:
     for name, packing in (("padded", False), ("packed", True)):
         job.rl.packing = packing
         targets = strategy.frozen_targets(copy.copy(sample.rollout))
-        micro = next(iter(strategy.minibatches(targets, step=1, epoch=0)))[0]
+        micro_batches = next(iter(strategy.minibatches(targets, step=1, epoch=0)))
         results[name] = {"targets": targets}
-        results[name]["policy"] = backward(policy, strategy, strategy.compute_loss, micro, all_reduce_sum)
-        if "critic" in run.engines:
-            results[name]["critic"] = backward(
-                run.engines["critic"], strategy, strategy.compute_critic_loss, micro, all_reduce_sum
+        for part in strategy.engine_parts:  # the policy, and online_ppo's critic
+            compute = strategy.compute_loss if part == "policy" else strategy.compute_critic_loss
+            results[name][part] = minibatch_backward(
+                run.engines[part], strategy, compute, micro_batches, all_reduce_sum
             )
+        with_tokens = sum(int(batch["response_mask"].sum() > 0) for batch in micro_batches)
+        results[name]["micro_batches"] = all_gather_objects([with_tokens, len(micro_batches)])
+        results[name]["tokens"] = all_gather_objects(sorted(targets["attention_mask"].sum(dim=1).tolist()))
     return results
+
+
+def train_one_step(run) -> dict:
+    """rl.packing's real loop (astrai/trainer.py) for the job's step: the optimizer steps DeepSpeed took."""
+    from astrai.trainer import train_online
+
+    run.job.rl.packing = True
+    before = run.engines["policy"].global_steps
+    train_online(run)
+    return {
+        "optimizer_steps": run.engines["policy"].global_steps - before,
+        "expected": run.strategy.optimizer_steps_per_step(torch.distributed.get_world_size()),
+        "zero_stage": run.engines["policy"].zero_stage,
+    }
 
 
 def largest_difference(first: dict, second: dict) -> float:
@@ -106,7 +141,13 @@ def main() -> int:
 
     from astrai.build import build_run
     from astrai.data.packing import attention_of
-    from astrai.engine import all_reduce_sum, set_log_format, setup_distributed, shutdown_distributed
+    from astrai.engine import (
+        all_gather_objects,
+        all_reduce_sum,
+        set_log_format,
+        setup_distributed,
+        shutdown_distributed,
+    )
     from astrai.train import load_and_check
 
     dist = setup_distributed(120)
@@ -116,6 +157,10 @@ def main() -> int:
         run = build_run(load_and_check(entry["config"], entry.get("set", [])), dist, entry["config"])
         for engine in run.engines.values():
             engine.train()
+        if entry.get("loop_only"):  # the real loop alone (ZeRO-3: gradients are partitioned, not compared)
+            report[entry["name"]] = {"loop": train_one_step(run)}
+            run = None
+            continue
         if run.strategy.loop == "offline":
             outcome = {}
             for setting, batch in offline_batches(run, dist.rank):
@@ -126,10 +171,13 @@ def main() -> int:
                     )
                 }
         else:
-            outcome = online_results(run, all_reduce_sum)
+            outcome = online_results(run, all_reduce_sum, all_gather_objects)
         padded, packed = outcome["padded"], outcome["packed"]
         summary = {}
         for part in padded:
+            if part in ("micro_batches", "tokens"):
+                summary[part] = {"padded": padded[part], "packed": packed[part]}
+                continue
             if part == "targets":
                 summary["targets"] = largest_difference(padded["targets"], packed["targets"])
                 continue
@@ -142,6 +190,8 @@ def main() -> int:
                 "weights": [weight_a, weight_b],
             }
         summary["attention"] = attention_of(run.engines["policy"])
+        if run.strategy.loop == "online":
+            summary["loop"] = train_one_step(run)
         report[entry["name"]] = summary
         run = None
     if dist.is_main:

@@ -1,7 +1,9 @@
 """Packing on 2 real gloo ranks, in ONE launch (tests/integration/packing_rank_worker.py): for seq (document
 mask), sft, dpo, grpo and online_ppo, the loss and the rank-averaged gradients of the packed micro-batches equal
 the padded run of the same rows within 1e-5 (fp32), the frozen targets (reference log-probs, values, advantages)
-too, and the global token normaliser counts the same units both ways."""
+too, and the global token normaliser counts the same units both ways. For grpo and online_ppo the whole first
+minibatch runs, cut by train.micro_batch_tokens (ranks cut it differently; both run as many micro-batches) with
+DeepSpeed's accumulation boundary marked as the loop marks it, and then the loop itself runs the step."""
 
 from __future__ import annotations
 
@@ -35,12 +37,14 @@ JOBS = {
     "rollout: {{prompts_per_step: 4, group_size: 4, max_new_tokens: 8}}\n"
     "rl: {{kl_coef: 0.05, packing: true, epochs_per_rollout: 2}}\n"
     "reward: {{function: 'tests.integration.packing_rank_worker:length_reward'}}\n"
-    "train: {{train_type: grpo, max_steps: 1, micro_batch_size: 4, grad_accum_steps: 2, seed: 7}}\n",
+    "train: {{train_type: grpo, max_steps: 1, micro_batch_size: 4, grad_accum_steps: 2, micro_batch_tokens: 59, "
+    "seed: 7}}\n",
     "online_ppo": "data: {{path: {data}/prompts.jsonl, max_seq_len: 32}}\n"
     "rollout: {{prompts_per_step: 4, group_size: 2, max_new_tokens: 8}}\n"
     "rl: {{kl_coef: 0.05, packing: true}}\n"
     "reward: {{function: 'tests.integration.packing_rank_worker:length_reward'}}\n"
-    "train: {{train_type: online_ppo, max_steps: 1, micro_batch_size: 2, grad_accum_steps: 2, seed: 7}}\n",
+    "train: {{train_type: online_ppo, max_steps: 1, micro_batch_size: 2, grad_accum_steps: 2, "
+    "micro_batch_tokens: 59, seed: 7}}\n",
 }
 
 
@@ -52,6 +56,10 @@ def report(tmp_path_factory):
         config = folder / f"{name}.yaml"
         config.write_text(MODEL.format(folder=folder, name=name) + job.format(data=REPO / "data/arithmetic"))
         runs.append({"name": name, "config": str(config)})
+    # grpo's step again under ZeRO-3, through the loop only: the ranks' token cuts differ (7 and 6 micro-batches
+    # in the equivalence run), and every forward and backward gathers the partitioned weights on both ranks
+    zero3 = ["deepspeed.zero_stage=3", f"output_dir={folder / 'grpo_zero3'}"]
+    runs.append({"name": "grpo_zero3", "config": str(folder / "grpo.yaml"), "set": zero3, "loop_only": True})
     plan, results = folder / "plan.json", folder / "results.json"
     plan.write_text(json.dumps({"results": str(results), "runs": runs}))
     completed = launch_ranks([REPO / "tests/integration/packing_rank_worker.py", "--plan", plan], 2, 900)
@@ -59,11 +67,17 @@ def report(tmp_path_factory):
     return json.loads(results.read_text())
 
 
+def test_packed_grpo_step_under_zero3_runs_its_optimizer_steps(report):
+    loop = report["grpo_zero3"]["loop"]
+    assert loop["optimizer_steps"] == loop["expected"] == 2, loop  # 2 replay epochs of one minibatch
+    assert loop["zero_stage"] == 3, loop
+
+
 @pytest.mark.parametrize("train_type", list(JOBS))
 def test_packed_equals_padded_on_two_ranks(report, train_type):
     summary = report[train_type]
     parts = ("policy", "critic") if train_type == "online_ppo" else ("policy",)
-    assert set(summary) - {"targets", "attention"} == set(parts)
+    assert set(summary) - {"targets", "attention", "micro_batches", "tokens", "loop"} == set(parts)
     # with packing the policy runs sdpa one row at a time; seq's document mask takes transformers' mask path
     assert summary["attention"] == ("sdpa" if train_type == "seq" else "astrai_segment_sdpa")
     for part in parts:
@@ -74,3 +88,14 @@ def test_packed_equals_padded_on_two_ranks(report, train_type):
         assert result["gradients"] < 1e-5 < result["gradient_scale"], result
     if train_type in ("grpo", "online_ppo"):
         assert summary["targets"] < 1e-5, summary
+        # rl.packing cuts a minibatch by train.micro_batch_tokens: every rank runs as many micro-batches (one
+        # with fewer tokens pads with an empty one), and the loop's DeepSpeed steps land where they should
+        counts = summary["micro_batches"]
+        assert [total for _, total in counts["padded"]] == [2, 2], counts  # grad_accum_steps
+        totals = {total for _, total in counts["packed"]}
+        assert len(totals) == 1 and totals != {2}, (counts, summary["tokens"])
+        # the ranks' cuts differ (their sequence lengths make train.micro_batch_tokens 59 fit a pair on one
+        # rank only): the rank with fewer ran an empty micro-batch, and the loss and gradients above still match
+        assert any(with_tokens < total for with_tokens, total in counts["packed"]), (counts, summary["tokens"])
+        loop = summary["loop"]
+        assert loop["optimizer_steps"] == loop["expected"] > 0, loop

@@ -44,3 +44,21 @@ def test_grpo_vs_trl_smoke_astrai_variants(tmp_path):
         ("astrai", "astrai_unshared", "step_s"),
         ("astrai", "astrai_unshared", "best_step_s"),
     ]
+
+
+@pytest.mark.slow
+def test_profile_grpo_step_smoke_splits_the_whole_loop(tmp_path):
+    """benchmarks/profile_grpo_step.py on the tiny model: every part of the loop is found, none is negative,
+    and the parts add up to the profiled loop."""
+    script = REPO / "benchmarks" / "profile_grpo_step.py"
+    arguments = ["--size", "tiny", "--steps", "2", "--new-tokens", "2", "--results-dir", str(tmp_path)]
+    completed = run_bounded([sys.executable, str(script), *arguments], 300, cwd=REPO, env=child_env())
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    result = json.loads((tmp_path / "profile_grpo_step.json").read_text())
+    parts = result["parts"]
+    assert sum(part["share"] for part in parts.values()) == pytest.approx(1.0)
+    assert all(part["s"] >= -1e-3 for part in parts.values()), parts
+    for measured in ("rollout: generate (prefill + decode steps)", "reference forward", "policy backward"):
+        assert parts[measured]["s"] > 0, measured
+    assert parts["rollout: behaviour log-probs"]["s"] == 0  # one update per rollout: no behaviour forward
+    assert (tmp_path / "profile_grpo_step_work" / "profile.pstats").stat().st_size > 0

@@ -175,6 +175,21 @@ def test_online_ppo_adds_reference_critic_and_generation_copy(tmp_path):
     assert plan.checkpoint_bytes == checkpoint_bytes(TINY_PARAMETERS, 3, "bf16") + checkpoint_bytes(critic, 0, "bf16")
 
 
+def test_rl_packing_plans_one_row_of_the_token_budget(tmp_path):
+    """rl.packing: a grpo micro-batch is cut by train.micro_batch_tokens, planned as one row that long."""
+    config = write_job(
+        tmp_path,
+        train={"train_type": "grpo", "micro_batch_size": 2, "max_steps": 1, "micro_batch_tokens": 48},
+        data={"path": str(REPO / "data/arithmetic/prompts_64.jsonl"), "max_seq_len": 16},
+        rollout={"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 8},
+        reward={"function": "astrai.rollout.rewards:arithmetic_exact_match"},
+    )
+    padded = by_name(make_plan(load_job(config), str(config), 1, None, 10**12).rows)
+    packed = by_name(make_plan(load_job(config, ["rl.packing=true"]), str(config), 1, None, 10**12).rows)
+    assert padded["logits + log-softmax"] == (0, 2 * 24 * 40 * 8)  # 2 sequences of 16 + 8 tokens
+    assert packed["logits + log-softmax"] == (0, 48 * 40 * 8)
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_parameter_count_matches_a_built_model(tied):
     config = AutoConfig.for_model(**{**TINY_INIT, "tie_word_embeddings": tied})

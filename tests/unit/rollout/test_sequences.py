@@ -8,13 +8,16 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from astrai.algos.logprobs import token_logprobs
 from astrai.rollout.sequences import (
     _keeps_logits,
     join_sequences,
     left_pad,
     position_ids,
+    response_forward,
     response_logits,
     response_mask,
+    response_token_statistics,
     truncated_rows,
 )
 
@@ -98,3 +101,39 @@ def test_response_logits_with_logits_to_keep_equal_a_sliced_full_forward():
     assert kept.shape == (3, 6, 40)
     torch.testing.assert_close(kept, expected, rtol=0, atol=1e-6)  # the same matmuls on fewer rows
     torch.testing.assert_close(sliced, expected, rtol=0, atol=0)
+
+
+def test_scoring_forwards_build_no_cache_and_give_the_cached_forwards_logits():
+    """response_forward and response_token_statistics (full and chunked) pass use_cache=False: no key/value cache
+    is built (the model's default would fill one), and the log-probs are those of the default forward."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = LlamaForCausalLM(config).eval()
+    assert model.config.use_cache  # the default this forward overrides
+    prompt_ids, prompt_mask = left_pad([[5, 6, 7, 8, 9], [10, 11]], pad_token_id=0)
+    response_ids = torch.randint(3, 40, (2, 4))
+    sequences = join_sequences(prompt_ids, prompt_mask, response_ids, response_mask(response_ids, 2))
+    with torch.no_grad():
+        default = model(
+            input_ids=sequences["input_ids"],
+            attention_mask=sequences["attention_mask"],
+            position_ids=sequences["position_ids"],
+        )
+        assert default.past_key_values is not None
+        logits, output = response_forward(model, sequences)
+        assert output.past_key_values is None
+        torch.testing.assert_close(logits, default.logits[:, 4:8], rtol=0, atol=1e-6)
+        expected = token_logprobs(default.logits[:, 4:8], response_ids)
+        mask = sequences["response_mask"].bool()
+        for chunk_size in (0, 3):  # the full logits, and the chunked output layer
+            logprobs, _, output = response_token_statistics(model, sequences, chunk_size=chunk_size)
+            assert output.past_key_values is None
+            torch.testing.assert_close(logprobs[mask], expected[mask], rtol=0, atol=1e-5)
