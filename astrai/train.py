@@ -70,7 +70,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from astrai.build import build_run
     from astrai.config import dump_job
-    from astrai.engine import all_gather_objects, set_log_format, setup_distributed, shutdown_distributed, tune_malloc
+    from astrai.engine import (
+        all_gather_objects,
+        module_parameters,
+        set_log_format,
+        setup_distributed,
+        shutdown_distributed,
+        tune_malloc,
+        tunes_malloc,
+    )
     from astrai.engine.distributed import RendezvousError
     from astrai.errors import AstraiError
     from astrai.launcher_watch import at_orphan_exit
@@ -94,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     except RendezvousError as error:
         logger.error("%s", error)
         return 1
-    if job.runtime.tune_malloc:
+    if job.runtime.tune_malloc is True:
         tune_malloc()
     try:
         agree_on_lock(refusal, all_gather_objects)  # every rank stops here, together, when output_dir is taken
@@ -105,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         # One gather of every rank's facts: mismatched versions or missing GPUs stop all ranks together.
         preflight_check(job, dist, write_rank_report(job, dist))
         run = build_run(job, dist, args.config)
+        if job.runtime.tune_malloc == "auto":  # decided by the model's size, once it is built
+            parameters = module_parameters(run.engines["policy"].module)
+            if tunes_malloc("auto", parameters):
+                tune_malloc()
+            else:
+                logger.info("host malloc left as it is: %.0fM parameters (runtime.tune_malloc: auto)", parameters / 1e6)
         state = TRAIN_LOOPS[run.strategy.loop](run)
         if job.export.on_finish and dist.is_main:
             from astrai.export import export_finished_run

@@ -421,11 +421,12 @@ class RuntimeConfig(Section):
         "<output_dir>/mlruns.",
     )
     mlflow_experiment: str = Field("astrai", description="MLflow experiment the run is created in (created if new).")
-    tune_malloc: bool = Field(
-        True,
+    tune_malloc: bool | Literal["auto"] = Field(
+        "auto",
         description="Set glibc malloc's mmap/trim thresholds on every rank so each step's buffers are kept rather "
-        "than faulted in again (1.1x tokens/s on a CPU; skipped where another allocator is preloaded or MALLOC_*_ is "
-        "set; astrai/engine/host_memory.py).",
+        "than faulted in again (1.1x tokens/s on a CPU for small models; skipped where another allocator is preloaded "
+        "or MALLOC_*_ is set; astrai/engine/host_memory.py). `auto`: only for a policy under 100M parameters: at "
+        "Qwen2.5-0.5B's size the kept heap cost 2.6 GiB per rank (docs/benchmarks.md, 3c). true/false: always/never.",
     )
 
     @field_validator("log_level")

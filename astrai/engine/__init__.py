@@ -48,7 +48,7 @@ from astrai.engine.engines import (
     make_frozen_engine,
     zero3_loading,
 )
-from astrai.engine.host_memory import tune_malloc
+from astrai.engine.host_memory import module_parameters, tune_malloc, tunes_malloc
 from astrai.engine.safe_load import (
     CheckpointDamagedError,
     UnsafeCheckpointError,
@@ -87,6 +87,8 @@ __all__ = [
     "zero3_building",
     "zero3_construction",
     "tune_malloc",
+    "tunes_malloc",
+    "module_parameters",
     "CheckpointShapeError",
     "check_shapes",
     "CheckpointDamagedError",

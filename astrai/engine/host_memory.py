@@ -12,7 +12,7 @@ same working set every step, so keeping it costs no memory the step does not use
 
 Not applied where it cannot matter or the user chose: non-glibc C libraries, an allocator preloaded
 instead of malloc (jemalloc, tcmalloc, mimalloc), or MALLOC_*_ / GLIBC_TUNABLES already set.
-`runtime.tune_malloc: false` turns it off.
+`runtime.tune_malloc: false` turns it off; `auto` (the default) applies it to models under 100M parameters.
 """
 
 from __future__ import annotations
@@ -35,6 +35,22 @@ MALLOC_ENVIRONMENT = {
     "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD_BYTES),
 }
 OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+# `runtime.tune_malloc: auto` tunes below this many policy parameters. The gain was measured at 8.4M (1.1x
+# tokens/s); at 494M (Qwen2.5-0.5B's shape, ZeRO-3 on 2 ranks) the kept heap raised grpo's peak from 9.2 to
+# 11.9 GiB per rank (the kernel's OOM killer on 24 GiB), while a step's compute there dwarfs its page faults.
+AUTO_TUNE_BELOW_PARAMETERS = 100_000_000
+
+
+def tunes_malloc(setting: bool | str, parameters: int) -> bool:
+    """Whether `runtime.tune_malloc` (true, false or "auto") tunes a job whose policy has `parameters`."""
+    if setting == "auto":
+        return parameters < AUTO_TUNE_BELOW_PARAMETERS
+    return bool(setting)
+
+
+def module_parameters(module) -> int:
+    """A module's parameter count, ZeRO-3 partitioned parameters at their full size."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
 
 
 def tune_malloc(environ: dict[str, str] | None = None) -> bool:

@@ -79,3 +79,16 @@ def test_a_user_allocator_or_setting_is_left_alone(environ, reason, caplog):
     with caplog.at_level("INFO", logger="astrai.engine"):
         assert tune_malloc(environ) is False
     assert f"host malloc left as it is: {reason}" in caplog.text
+
+
+def test_auto_tunes_only_models_under_100m_parameters():
+    import torch
+
+    from astrai.config.schema import RuntimeConfig
+    from astrai.engine.host_memory import AUTO_TUNE_BELOW_PARAMETERS, module_parameters, tunes_malloc
+
+    assert RuntimeConfig().tune_malloc == "auto"
+    assert tunes_malloc("auto", 8_400_000) and not tunes_malloc("auto", 494_032_768)
+    assert not tunes_malloc("auto", AUTO_TUNE_BELOW_PARAMETERS) and tunes_malloc("auto", AUTO_TUNE_BELOW_PARAMETERS - 1)
+    assert tunes_malloc(True, 10**10) and not tunes_malloc(False, 1)  # true/false: always/never
+    assert module_parameters(torch.nn.Linear(3, 4)) == 3 * 4 + 4
