@@ -73,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     from astrai.engine import (
         all_gather_objects,
         module_parameters,
+        release_malloc,
         set_log_format,
         setup_distributed,
         shutdown_distributed,
@@ -115,10 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         run = build_run(job, dist, args.config)
         if job.runtime.tune_malloc == "auto":  # decided by the model's size, once it is built
             parameters = module_parameters(run.engines["policy"].module)
+            logger.info("runtime.tune_malloc: auto, for %.0fM policy parameters", parameters / 1e6)
             if tunes_malloc("auto", parameters):
                 tune_malloc()
             else:
-                logger.info("host malloc left as it is: %.0fM parameters (runtime.tune_malloc: auto)", parameters / 1e6)
+                release_malloc()
         state = TRAIN_LOOPS[run.strategy.loop](run)
         if job.export.on_finish and dist.is_main:
             from astrai.export import export_finished_run

@@ -425,8 +425,9 @@ class RuntimeConfig(Section):
         "auto",
         description="Set glibc malloc's mmap/trim thresholds on every rank so each step's buffers are kept rather "
         "than faulted in again (1.1x tokens/s on a CPU for small models; skipped where another allocator is preloaded "
-        "or MALLOC_*_ is set; astrai/engine/host_memory.py). `auto`: only for a policy under 100M parameters: at "
-        "Qwen2.5-0.5B's size the kept heap cost 2.6 GiB per rank (docs/benchmarks.md, 3c). true/false: always/never.",
+        "or MALLOC_*_ is set; astrai/engine/host_memory.py). `auto`: for a policy under 100M parameters; above, "
+        "freed blocks over 128 KiB go back to the kernel instead (at Qwen2.5-0.5B's size the kept heap, and glibc's "
+        "own defaults, cost 2.4-2.7 GiB per rank: docs/benchmarks.md, 3c). true/false: always/never tuned.",
     )
 
     @field_validator("log_level")

@@ -48,7 +48,7 @@ from astrai.engine.engines import (
     make_frozen_engine,
     zero3_loading,
 )
-from astrai.engine.host_memory import module_parameters, tune_malloc, tunes_malloc
+from astrai.engine.host_memory import module_parameters, release_malloc, tune_malloc, tunes_malloc
 from astrai.engine.safe_load import (
     CheckpointDamagedError,
     UnsafeCheckpointError,
@@ -89,6 +89,7 @@ __all__ = [
     "tune_malloc",
     "tunes_malloc",
     "module_parameters",
+    "release_malloc",
     "CheckpointShapeError",
     "check_shapes",
     "CheckpointDamagedError",

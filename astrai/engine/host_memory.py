@@ -35,17 +35,41 @@ MALLOC_ENVIRONMENT = {
     "MALLOC_TRIM_THRESHOLD_": str(TRIM_THRESHOLD_BYTES),
 }
 OTHER_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
-# `runtime.tune_malloc: auto` tunes below this many policy parameters. The gain was measured at 8.4M (1.1x
-# tokens/s); at 494M (Qwen2.5-0.5B's shape, ZeRO-3 on 2 ranks) the kept heap raised grpo's peak from 9.2 to
-# 11.9 GiB per rank (the kernel's OOM killer on 24 GiB), while a step's compute there dwarfs its page faults.
+# `runtime.tune_malloc: auto` keeps each step's buffers below this many policy parameters (the gain was
+# measured at 8.4M: 1.1x tokens/s) and above it returns freed blocks to the kernel (`release_malloc`): at
+# 494M (Qwen2.5-0.5B's shape, grpo, ZeRO-3 on 2 ranks) the kept heap, and glibc's own dynamic thresholds
+# alike, peaked at 11.6-11.9 GiB per rank (OOM-killed on 24 GiB); with blocks over 128 KiB mapped, 9.2 GiB.
 AUTO_TUNE_BELOW_PARAMETERS = 100_000_000
+RELEASE_THRESHOLD_BYTES = 128 * 1024  # glibc's initial mmap and trim thresholds, held there
 
 
 def tunes_malloc(setting: bool | str, parameters: int) -> bool:
-    """Whether `runtime.tune_malloc` (true, false or "auto") tunes a job whose policy has `parameters`."""
+    """Whether `runtime.tune_malloc` (true, false or "auto") keeps the step's buffers for a job whose policy
+    has `parameters` (`auto` above the bound releases them instead: `release_malloc`)."""
     if setting == "auto":
         return parameters < AUTO_TUNE_BELOW_PARAMETERS
     return bool(setting)
+
+
+def release_malloc(environ: dict[str, str] | None = None) -> bool:
+    """Hold glibc's mmap and trim thresholds at 128 KiB: every block over it is mapped, and unmapped when freed.
+    glibc would otherwise raise its mmap threshold to the largest block freed so far (up to 32 MiB), so a large
+    model's per-layer tensors come from the heap, and memory freed there is rarely given back."""
+    environ = os.environ if environ is None else environ
+    reason = _reason_to_leave(environ)
+    if reason is None:
+        libc = ctypes.CDLL(None)
+        if (
+            libc.mallopt(M_MMAP_THRESHOLD, RELEASE_THRESHOLD_BYTES) == 1
+            and libc.mallopt(M_TRIM_THRESHOLD, RELEASE_THRESHOLD_BYTES) == 1
+        ):
+            logger.info(
+                "host malloc: blocks over 128 KiB returned to the kernel when freed (runtime.tune_malloc: auto)"
+            )
+            return True
+        reason = "mallopt refused the values"
+    logger.info("host malloc left as it is: %s", reason)
+    return False
 
 
 def module_parameters(module) -> int:

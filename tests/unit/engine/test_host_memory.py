@@ -92,3 +92,34 @@ def test_auto_tunes_only_models_under_100m_parameters():
     assert not tunes_malloc("auto", AUTO_TUNE_BELOW_PARAMETERS) and tunes_malloc("auto", AUTO_TUNE_BELOW_PARAMETERS - 1)
     assert tunes_malloc(True, 10**10) and not tunes_malloc(False, 1)  # true/false: always/never
     assert module_parameters(torch.nn.Linear(3, 4)) == 3 * 4 + 4
+
+
+# After glibc has raised its mmap threshold (a 20 MiB block freed), a 16 MiB block comes from the heap and
+# stays resident once freed; `release_malloc` (tune_malloc: auto, large models) maps it, so freeing returns it.
+RELEASE = """
+import sys, torch
+def rss_kib():
+    return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0])
+block = torch.ones(20 << 18); del block  # glibc: mmap threshold -> 20 MiB
+if sys.argv[1] == "released":
+    from astrai.engine.host_memory import release_malloc
+    assert release_malloc()
+before = rss_kib()
+block = torch.ones(16 << 18)  # 16 MiB, every page written
+del block
+print(rss_kib() - before)
+"""
+
+
+@pytest.mark.skipif(_reason_to_leave({}) is not None, reason="glibc only (this machine's C library is another)")
+def test_release_returns_freed_blocks_that_glibc_would_keep():
+    env = child_env()
+    for name in (*USER_SETTINGS, "LD_PRELOAD"):
+        env.pop(name, None)
+    kept = {}
+    for mode in ("default", "released"):
+        result = subprocess.run([sys.executable, "-c", RELEASE, mode], capture_output=True, text=True, env=env)
+        assert result.returncode == 0, result.stderr[-2000:]
+        kept[mode] = int(result.stdout.split()[-1])
+    assert kept["default"] > 12 * 1024, kept  # glibc's raised threshold: the freed 16 MiB stays in the heap
+    assert kept["released"] < 2 * 1024, kept  # mapped, and unmapped when freed
