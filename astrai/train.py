@@ -105,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if job.runtime.tune_malloc is True:
         tune_malloc()
+    elif job.runtime.tune_malloc == "auto":  # from the start: a large model's build leaves the heap as it found it
+        release_malloc(log=False)
     try:
         agree_on_lock(refusal, all_gather_objects)  # every rank stops here, together, when output_dir is taken
         output_dir = Path(job.output_dir)
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         # One gather of every rank's facts: mismatched versions or missing GPUs stop all ranks together.
         preflight_check(job, dist, write_rank_report(job, dist))
         run = build_run(job, dist, args.config)
-        if job.runtime.tune_malloc == "auto":  # decided by the model's size, once it is built
+        if job.runtime.tune_malloc == "auto":  # a small model keeps its step's buffers, once its size is known
             parameters = module_parameters(run.engines["policy"].module)
             logger.info("runtime.tune_malloc: auto, for %.0fM policy parameters", parameters / 1e6)
             if tunes_malloc("auto", parameters):

@@ -51,7 +51,7 @@ def tunes_malloc(setting: bool | str, parameters: int) -> bool:
     return bool(setting)
 
 
-def release_malloc(environ: dict[str, str] | None = None) -> bool:
+def release_malloc(environ: dict[str, str] | None = None, log: bool = True) -> bool:
     """Hold glibc's mmap and trim thresholds at 128 KiB: every block over it is mapped, and unmapped when freed.
     glibc would otherwise raise its mmap threshold to the largest block freed so far (up to 32 MiB), so a large
     model's per-layer tensors come from the heap, and memory freed there is rarely given back."""
@@ -63,12 +63,12 @@ def release_malloc(environ: dict[str, str] | None = None) -> bool:
             libc.mallopt(M_MMAP_THRESHOLD, RELEASE_THRESHOLD_BYTES) == 1
             and libc.mallopt(M_TRIM_THRESHOLD, RELEASE_THRESHOLD_BYTES) == 1
         ):
-            logger.info(
-                "host malloc: blocks over 128 KiB returned to the kernel when freed (runtime.tune_malloc: auto)"
-            )
+            if log:
+                logger.info("host malloc: blocks over 128 KiB returned to the kernel when freed (runtime.tune_malloc)")
             return True
         reason = "mallopt refused the values"
-    logger.info("host malloc left as it is: %s", reason)
+    if log:
+        logger.info("host malloc left as it is: %s", reason)
     return False
 
 
