@@ -4,23 +4,10 @@ default AdamW loop, in one pass without that loop's two partition-sized temporar
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from astrai.config.schema import DeepSpeedSection
 from astrai.engine import build_ds_config, make_engine, parameter_groups
-
-
-def tiny_llama() -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=50,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=16,
-    )
-    return LlamaForCausalLM(config)
+from tests.unit.engine.tiny import tiny_llama
 
 
 def test_cpu_engine_steps_with_fused_adamw_as_the_plain_loop(one_rank):

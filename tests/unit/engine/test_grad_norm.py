@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from astrai.config.schema import DeepSpeedSection
 from astrai.engine import build_ds_config, make_engine
+from tests.unit.engine.tiny import tiny_llama
 
 
 @pytest.mark.parametrize("max_grad_norm", [1e-3, 100.0, None])  # None: no clipping, so DeepSpeed computes no norm
@@ -19,18 +19,8 @@ def test_zero0_reports_the_pre_clip_gradient_norm(one_rank, max_grad_norm):
     dist = one_rank
     assert dist.world_size == 1
     torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=50,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=16,
-        )
-    )
-    reference = LlamaForCausalLM(model.config)
+    model = tiny_llama()
+    reference = tiny_llama()
     reference.load_state_dict(model.state_dict())
     config = build_ds_config(
         DeepSpeedSection(),

@@ -8,21 +8,14 @@ and an optimizer with one group instead of two, which breaks loading a checkpoin
 from __future__ import annotations
 
 import deepspeed
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from astrai.engine import parameter_groups
+from tests.unit.engine.tiny import TINY_LLAMA
 
 
 def test_partitioned_matrices_still_decay(one_rank):
-    config = LlamaConfig(
-        vocab_size=50,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=16,
-    )
+    config = TINY_LLAMA
     plain = LlamaForCausalLM(config)
     ds_config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
     with deepspeed.zero.Init(config_dict_or_path=ds_config):

@@ -7,25 +7,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from astrai.config.schema import DeepSpeedSection
 from astrai.engine import build_ds_config, make_engine
+from tests.unit.engine.tiny import tiny_llama
 
 
 def tiny_engine(zero_stage: int):
     torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=50,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            max_position_embeddings=16,
-        )
-    )
+    model = tiny_llama()
     section = DeepSpeedSection(zero_stage=zero_stage, single_rank_stage0=False)
     config = build_ds_config(
         section,
