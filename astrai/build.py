@@ -21,6 +21,7 @@ from astrai.engine import (
     build_ds_config,
     lr_lambda,
     make_engine,
+    module_parameters,
     resolve_precision,
     zero3_building,
     zero3_loading,
@@ -258,7 +259,7 @@ def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
         job.train.micro_batch_size * job.train.grad_accum_steps * dist.world_size,
         policy.zero_stage,
         resolve_precision(job.model.dtype),
-        sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()) / 1e6,
+        module_parameters(model) / 1e6,
         torch.get_num_threads(),
     )
     run = Run(job, dist, output_dir, tokenizer, strategy, DataStream(dataset, order), steps, engines, skipped)

@@ -55,21 +55,8 @@ def release_malloc(environ: dict[str, str] | None = None, log: bool = True) -> b
     """Hold glibc's mmap and trim thresholds at 128 KiB: every block over it is mapped, and unmapped when freed.
     glibc would otherwise raise its mmap threshold to the largest block freed so far (up to 32 MiB), so a large
     model's per-layer tensors come from the heap, and memory freed there is rarely given back."""
-    environ = os.environ if environ is None else environ
-    reason = _reason_to_leave(environ)
-    if reason is None:
-        libc = ctypes.CDLL(None)
-        if (
-            libc.mallopt(M_MMAP_THRESHOLD, RELEASE_THRESHOLD_BYTES) == 1
-            and libc.mallopt(M_TRIM_THRESHOLD, RELEASE_THRESHOLD_BYTES) == 1
-        ):
-            if log:
-                logger.info("host malloc: blocks over 128 KiB returned to the kernel when freed (runtime.tune_malloc)")
-            return True
-        reason = "mallopt refused the values"
-    if log:
-        logger.info("host malloc left as it is: %s", reason)
-    return False
+    message = "host malloc: blocks over 128 KiB returned to the kernel when freed (runtime.tune_malloc)"
+    return _set_thresholds(RELEASE_THRESHOLD_BYTES, RELEASE_THRESHOLD_BYTES, message, environ, log)
 
 
 def module_parameters(module) -> int:
@@ -80,23 +67,27 @@ def module_parameters(module) -> int:
 def tune_malloc(environ: dict[str, str] | None = None) -> bool:
     """Set glibc's mmap and trim thresholds for this process (see the module docstring). Returns whether
     it did; logs what it chose and why."""
+    message = (
+        f"host malloc: blocks up to {MMAP_THRESHOLD_BYTES >> 20} MiB from the heap, up to "
+        f"{TRIM_THRESHOLD_BYTES >> 20} MiB kept free at its top (runtime.tune_malloc)"
+    )
+    return _set_thresholds(MMAP_THRESHOLD_BYTES, TRIM_THRESHOLD_BYTES, message, environ, log=True)
+
+
+def _set_thresholds(mmap_bytes: int, trim_bytes: int, message: str, environ, log: bool) -> bool:
+    """glibc's mmap and trim thresholds for this process, unless another allocator or the user's own settings
+    are in place; logs `message`, or why it left them, when `log`."""
     environ = os.environ if environ is None else environ
     reason = _reason_to_leave(environ)
     if reason is None:
         libc = ctypes.CDLL(None)  # this process's own C library
-        if (
-            libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
-            and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
-        ):
-            logger.info(
-                "host malloc: blocks up to %d MiB from the heap, up to %d MiB kept free at its top "
-                "(runtime.tune_malloc)",
-                MMAP_THRESHOLD_BYTES >> 20,
-                TRIM_THRESHOLD_BYTES >> 20,
-            )
+        if libc.mallopt(M_MMAP_THRESHOLD, mmap_bytes) == 1 and libc.mallopt(M_TRIM_THRESHOLD, trim_bytes) == 1:
+            if log:
+                logger.info("%s", message)
             return True
         reason = "mallopt refused the values"
-    logger.info("host malloc left as it is: %s", reason)
+    if log:
+        logger.info("host malloc left as it is: %s", reason)
     return False
 
 
