@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 ENVIRONMENT_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")  # what a shell (and every launcher's env file) accepts
@@ -429,6 +429,17 @@ class RuntimeConfig(Section):
         "freed blocks over 128 KiB go back to the kernel instead (at Qwen2.5-0.5B's size the kept heap, and glibc's "
         "own defaults, cost 2.4-2.7 GiB per rank: docs/benchmarks.md, 3c). true/false: always/never tuned.",
     )
+
+    @field_validator("tune_malloc", mode="before")
+    @classmethod
+    def _tune_malloc_choice(cls, value: Any) -> bool | str:
+        # One line for a wrong value, instead of pydantic's one per member of the union.
+        if value == "auto" or isinstance(value, bool):
+            return value
+        try:
+            return TypeAdapter(bool).validate_python(value)  # pydantic's own spellings: "yes", "off", 1, ...
+        except ValidationError:
+            raise ValueError(f"expected true, false or auto, not {value!r}") from None
 
     @field_validator("log_level")
     @classmethod

@@ -182,3 +182,14 @@ def test_a_hub_name_is_refused_with_a_clear_message(tmp_path):
         r"here",
     ):
         load_job(write_job(tmp_path, VALID.replace("  build: {{kind: char}}", "  path: meta-llama/Llama-3")))
+
+
+def test_tune_malloc_takes_true_false_or_auto_and_names_anything_else(tmp_path):
+    assert load_job(write_job(tmp_path)).runtime.tune_malloc == "auto"
+    for written, expected in (("auto", "auto"), ("true", True), ("false", False), ("off", False)):
+        assert load_job(write_job(tmp_path), [f"runtime.tune_malloc={written}"]).runtime.tune_malloc == expected
+    with pytest.raises(ConfigError) as error:
+        load_job(write_job(tmp_path), ["runtime.tune_malloc=maybe"])
+    message = str(error.value)
+    assert "runtime.tune_malloc: expected true, false or auto, not 'maybe'" in message
+    assert len(message.strip().splitlines()) == 1, message  # one line, not one per member of the union
