@@ -71,19 +71,21 @@ class NoKeepOption(torch.nn.Module):
         return self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
 
 
+# The 2-layer, 40-token Llama the scoring-forward tests build (seeded by each test).
+SCORING_LLAMA = LlamaConfig(
+    vocab_size=40,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+
 def test_response_logits_with_logits_to_keep_equal_a_sliced_full_forward():
     torch.manual_seed(0)
-    model = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=40,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-        )
-    ).eval()
+    model = LlamaForCausalLM(SCORING_LLAMA).eval()
     prompt_ids, prompt_mask = left_pad([[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]], pad_token_id=0)
     response_ids = torch.randint(3, 40, (3, 6))
     response_ids[1, 2] = 2  # an EOS mid-response: the mask ends there
@@ -107,16 +109,7 @@ def test_scoring_forwards_build_no_cache_and_give_the_cached_forwards_logits():
     """response_forward and response_token_statistics (full and chunked) pass use_cache=False: no key/value cache
     is built (the model's default would fill one), and the log-probs are those of the default forward."""
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=40,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    model = LlamaForCausalLM(config).eval()
+    model = LlamaForCausalLM(SCORING_LLAMA).eval()
     assert model.config.use_cache  # the default this forward overrides
     prompt_ids, prompt_mask = left_pad([[5, 6, 7, 8, 9], [10, 11]], pad_token_id=0)
     response_ids = torch.randint(3, 40, (2, 4))
