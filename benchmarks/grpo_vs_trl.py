@@ -6,6 +6,8 @@
 Variants, alternated round by round (the order rotates every round), one launch each:
     astrai            `deepspeed --num_gpus 1 astrai/train.py` (1 CPU rank), rollout.share_prefill true (default)
     astrai_unshared   the same with rollout.share_prefill false (every copy of a prompt prefilled)
+    astrai_prefix     `astrai` with rl.share_prefix true (the policy's and the reference's forwards run each
+                      distinct prompt once; the replay keeps groups together: 4 prompts per micro-batch of 32)
     trl               benchmarks/trl_grpo.py with the python of benchmarks/.venv-trl (created on first use with
                       `pip install torch==2.13.0 trl`; the variant is skipped with a note when that fails)
 Both sides: the Llama of `benchmarks/common.py` MODELS[--size] with the char tokenizer's vocabulary (built by
@@ -51,7 +53,17 @@ from benchmarks.common import (  # noqa: E402
 TRL_VENV = REPO / "benchmarks" / ".venv-trl"
 PROMPTS = REPO / "data" / "arithmetic" / "prompts_64.jsonl"
 KL_COEF, LR, MICRO_BATCH, MAX_SEQ_LEN = 0.04, 3e-4, 32, 64
-VARIANTS = ("astrai", "astrai_unshared", "trl")
+VARIANTS = ("astrai_prefix", "astrai", "astrai_unshared", "trl")
+# The AstrAI variants' settings: rollout.share_prefill, rl.share_prefix.
+ASTRAI_SETTINGS = {"astrai": (True, False), "astrai_unshared": (False, False), "astrai_prefix": (True, True)}
+# (variant, baseline) pairs whose ratios are reported: baseline's seconds per step / variant's.
+COMPARISONS = (
+    ("astrai_prefix", "trl"),
+    ("astrai", "trl"),
+    ("astrai_unshared", "trl"),
+    ("astrai", "astrai_unshared"),
+    ("astrai_prefix", "astrai"),
+)
 STATISTIC = {"step_s": "median step", "best_step_s": "best step"}
 
 
@@ -85,9 +97,10 @@ def prepare(work: Path, size: str) -> tuple[Path, dict]:
     return folder, init
 
 
-def astrai_job(work: Path, tokenizer: Path, init: dict, args, name: str, share_prefill: bool) -> Path:
+def astrai_job(work: Path, tokenizer: Path, init: dict, args, name: str, variant: str) -> Path:
     import yaml
 
+    share_prefill, share_prefix = ASTRAI_SETTINGS[variant]
     responses = args.prompts_per_step * args.group_size
     job = {
         "output_dir": str(work / "runs" / name),
@@ -103,7 +116,13 @@ def astrai_job(work: Path, tokenizer: Path, init: dict, args, name: str, share_p
             "top_k": 0,
             "share_prefill": share_prefill,
         },
-        "rl": {"epochs_per_rollout": 1, "clip_eps_low": 0.2, "kl_coef": KL_COEF, "loss_aggregation": "token_mean"},
+        "rl": {
+            "epochs_per_rollout": 1,
+            "clip_eps_low": 0.2,
+            "kl_coef": KL_COEF,
+            "loss_aggregation": "token_mean",
+            "share_prefix": share_prefix,
+        },
         "reward": {"function": "astrai.rollout.rewards:arithmetic_exact_match"},
         "train": {
             "train_type": "grpo",
@@ -167,7 +186,7 @@ def run_variant(variant: str, round_index: int, work: Path, tokenizer: Path, ini
         out.parent.mkdir(parents=True, exist_ok=True)
         command = [str(TRL_VENV / "bin" / "python"), *trl_arguments(init, tokenizer, args, out)]
     else:
-        job = astrai_job(work, tokenizer, init, args, name, share_prefill=variant == "astrai")
+        job = astrai_job(work, tokenizer, init, args, name, variant)
         command = deepspeed_command(1, REPO / "astrai" / "train.py", "--config", str(job))
     result = launch(command, env=child_env(), log=log)
     record = {"variant": variant, "round": round_index, "returncode": result.returncode, "wall_s": result.wall_s}
@@ -208,8 +227,8 @@ def main(argv=None) -> int:
     if args.dry_run:
         from astrai.config.loader import load_job
 
-        for variant in ("astrai", "astrai_unshared"):
-            job = astrai_job(work, tokenizer, init, args, variant, share_prefill=variant == "astrai")
+        for variant in ASTRAI_SETTINGS:
+            job = astrai_job(work, tokenizer, init, args, variant, variant)
             load_job(job)
             print(f"dry run: {job} is a valid job")
         return 0
@@ -232,7 +251,7 @@ def main(argv=None) -> int:
     }
     ratios = []
     for key in ("step_s", "best_step_s"):
-        for variant, baseline in (("astrai", "trl"), ("astrai_unshared", "trl"), ("astrai", "astrai_unshared")):
+        for variant, baseline in COMPARISONS:
             values = [
                 by[(baseline, k)][key] / by[(variant, k)][key]
                 for k in range(args.rounds)

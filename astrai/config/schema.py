@@ -683,6 +683,14 @@ class RlConfig(Section):
         "micro-batch's sequences run as one packed row without their padding, micro-batches cut by "
         "`train.micro_batch_tokens` instead of `train.micro_batch_size`; the losses are unchanged.",
     )
+    share_prefix: bool = Field(
+        False,
+        description="The policy's and the reference's forwards (grpo, online_ppo) run each distinct prompt of a "
+        "micro-batch once and its responses against its keys and values, with the gradient summed over them as "
+        "before (astrai/rollout/shared_prompt.py): the same losses within float rounding, less compute when "
+        "group_size responses share a long prompt. The replay shuffles whole groups, so a micro-batch of "
+        "group_size x k sequences holds k prompts. Not with `rl.packing` or `model.gradient_checkpointing`.",
+    )
     epochs_per_rollout: int = Field(
         1,
         ge=1,
@@ -1047,7 +1055,24 @@ class JobConfig(Section):
             raise ValueError(f"`data.document_mask` is for seq, not {train_type}")
         if self.rl.packing and train_type not in ("grpo", "online_ppo"):
             raise ValueError(f"`rl.packing` is for grpo and online_ppo, not {train_type} (use `data.packing`)")
+        if self.rl.share_prefix:
+            self._check_share_prefix()
         return self
+
+    def _check_share_prefix(self) -> None:
+        """rl.share_prefix: grpo and online_ppo only; not with the packed forward nor with checkpointed layers."""
+        train_type = self.train.train_type
+        if train_type not in ("grpo", "online_ppo"):
+            raise ValueError(f"`rl.share_prefix` is for grpo and online_ppo, not {train_type}")
+        if self.rl.packing:
+            raise ValueError(
+                "`rl.share_prefix` with `rl.packing`: use one of them (each makes the scoring forward its own way)"
+            )
+        if self.model.gradient_checkpointing:
+            raise ValueError(
+                "`rl.share_prefix` with `model.gradient_checkpointing`: use one of them (checkpointed layers drop "
+                "the prompt's keys and values)"
+            )
 
     @model_validator(mode="after")
     def _online_sections(self) -> JobConfig:

@@ -229,6 +229,7 @@ def generate_rollout(
     logits_chunk_size: int = 0,
     packed: bool = False,
     logprob_batches: Callable[[dict[str, torch.Tensor]], list[list[int]] | None] | None = None,
+    shared_prompt: bool = False,
 ) -> RolloutResult:
     """Sample `settings.group_size` responses to each prompt and take their behaviour log-probs (recomputed
     by the engine's forward, or kept from the sampler: `settings.behaviour_logprobs`, see
@@ -241,7 +242,8 @@ def generate_rollout(
     takes none (the result's behaviour_logprobs is None). packed (rl.packing): the recomputing forward runs
     without the padding (rollout/packed.py). logits_chunk_size: `train.logits_chunk_size`. logprob_batches: the
     recomputing forward's micro-batches of the joined sequences (rl.packing's token cut, `forward_batches`);
-    None or returning None: logprob_batch_size sequences at a time.
+    None or returning None: logprob_batch_size sequences at a time. shared_prompt (rl.share_prefix): the
+    recomputing forward runs each distinct prompt once (rollout/shared_prompt.py).
     """
     group = settings.group_size
     device = engine.device
@@ -273,6 +275,7 @@ def generate_rollout(
             chunk_size=logits_chunk_size,
             packed=packed,
             batches=None if logprob_batches is None else logprob_batches(sequences),
+            shared_prompt=shared_prompt,
         )
     prompt_texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
     response_texts = [

@@ -28,6 +28,7 @@ from astrai.algos.logprobs import real_vocabulary, token_logprobs
 from astrai.algos.ppo import entropy_from_logits
 from astrai.models.output_head import chunked_token_statistics
 from astrai.rollout.packed import packed_response_forward, packed_response_values
+from astrai.rollout.shared_prompt import cache_consumed, shared_prompt_forward, shared_prompt_inputs, shares_prompt
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,6 +99,7 @@ def response_forward(
     temperature: float = 1.0,
     vocab_size: int | None = None,
     packed: bool = False,
+    shared_prompt: bool = False,
     **options,
 ) -> tuple[torch.Tensor, object]:
     """Logits that predict each response token: [N, R, vocab], divided by `temperature`; with `vocab_size`
@@ -110,20 +112,28 @@ def response_forward(
     tokens were sampled from (as TRL and verl do), so ratios and KL compare like with like.
     Returns (logits, the model's whole output); `options` go to the forward (e.g. output_router_logits).
     `packed` (rl.packing): the same logits from one forward without the padding (rollout/packed.py).
+    `shared_prompt` (rl.share_prefix): the same logits, each distinct prompt run once (rollout/shared_prompt.py).
     """
     response_len = sequences["response_ids"].shape[1]
     prompt_len = sequences["input_ids"].shape[1] - response_len
     inputs = scoring_inputs(model, sequences)
     if packed:
         logits, output = packed_response_forward(model, sequences, _keeps_logits(model), **options)
+    elif shared_prompt and shares_prompt(model, options):
+        logits, output = shared_prompt_forward(model, sequences)
     elif _keeps_logits(model):  # the LM head over the last R + 1 columns only, not over the whole prompt
         output = model(**inputs, **options, logits_to_keep=response_len + 1)
         logits = output.logits[:, :response_len]
     else:
         output = model(**inputs, **options)
         logits = output.logits[:, prompt_len - 1 : prompt_len - 1 + response_len]
+    return sampled_distribution(logits, temperature, vocab_size), output
+
+
+def sampled_distribution(logits: torch.Tensor, temperature: float, vocab_size: int | None) -> torch.Tensor:
+    """Logits of the distribution the sampler drew from: the first vocab_size ids, divided by the temperature."""
     logits = real_vocabulary(logits, vocab_size)
-    return (logits if temperature == 1.0 else logits / temperature), output
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def response_token_statistics(
@@ -135,27 +145,33 @@ def response_token_statistics(
     chunk_size: int = 0,
     entropy: str | None = None,
     packed: bool = False,
+    shared_prompt: bool = False,
     **options,
 ) -> tuple[torch.Tensor, torch.Tensor | None, object]:
     """(log-probs [N, R] float32, 0 where response_mask is 0; entropy [N, R] or None; the model's output) of the
     responses, as `response_forward` + `masked_token_logprobs` + `entropy_from_logits` give them. With
     `chunk_size` (`train.logits_chunk_size`) the full [N, R, vocab] logits are never made
-    (models/output_head.py); entropy: None, "metric" (no gradient) or "trained"."""
+    (models/output_head.py); entropy: None, "metric" (no gradient) or "trained". `packed`, `shared_prompt`: see
+    `response_forward`."""
     response_ids, mask = sequences["response_ids"], sequences["response_mask"]
     response_len = response_ids.shape[1]
     prompt_len = sequences["input_ids"].shape[1] - response_len
     scored = response_ids.masked_fill(~mask.bool(), -100)
-    inputs = scoring_inputs(model, sequences)
-    # The output layer sees the last R + 1 positions (logits_to_keep) or all P + R; the response's
-    # predictions are the R of them from column P - 1 on.
-    kept = _keeps_logits(model)
-    before = 0 if kept else prompt_len - 1
-    labels = torch.nn.functional.pad(scored, (before, 1), value=-100)
-    extra = {"logits_to_keep": response_len + 1} if kept else {}
+    shared_prompt = shared_prompt and not packed and shares_prompt(model, options)
+    if shared_prompt:  # the prefix forward has run; the second forward's R positions predict the R tokens
+        inputs, before, labels, extra = shared_prompt_inputs(model, sequences), 0, scored, {}
+    else:
+        inputs = scoring_inputs(model, sequences)
+        # The output layer sees the last R + 1 positions (logits_to_keep) or all P + R; the response's
+        # predictions are the R of them from column P - 1 on.
+        kept = _keeps_logits(model)
+        before = 0 if kept else prompt_len - 1
+        labels = torch.nn.functional.pad(scored, (before, 1), value=-100)
+        extra = {"logits_to_keep": response_len + 1} if kept else {}
     chunked = (
         None
-        if packed
-        else chunked_token_statistics(  # rl.packing: the packed forward's own layout
+        if packed  # rl.packing: the packed forward's own layout
+        else chunked_token_statistics(
             model,
             inputs,
             labels,
@@ -171,7 +187,13 @@ def response_token_statistics(
         columns = slice(before, before + response_len)
         entropies = None if chunked.entropy is None else chunked.entropy[:, columns]
         return chunked.logprobs[:, columns], entropies, chunked.output
-    logits, output = response_forward(model, sequences, temperature, vocab_size, packed=packed, **options)
+    if shared_prompt:
+        # A model found to change its logits after the output layer has run the chunked forward: prefix again.
+        inputs = shared_prompt_inputs(model, sequences) if cache_consumed(inputs) else inputs
+        output = model(**inputs)
+        logits = sampled_distribution(output.logits, temperature, vocab_size)
+    else:
+        logits, output = response_forward(model, sequences, temperature, vocab_size, packed=packed, **options)
     logprobs = masked_token_logprobs(logits, response_ids, mask)
     if entropy == "trained":
         return logprobs, entropy_from_logits(logits), output
@@ -266,6 +288,7 @@ def response_logprobs(
     chunk_size: int = 0,
     packed: bool = False,
     batches: list[list[int]] | None = None,
+    shared_prompt: bool = False,
 ) -> torch.Tensor:
     """Per-token log-probs of the responses under `model`, no gradient: [N, R] float32, 0 on padding;
     normalised over the first `vocab_size` ids (see `response_logits`); chunked over positions with
@@ -278,7 +301,13 @@ def response_logprobs(
 
     def logprobs(chunk: dict[str, torch.Tensor]) -> torch.Tensor:
         return response_token_statistics(
-            model, chunk, temperature=temperature, vocab_size=vocab_size, chunk_size=chunk_size, packed=packed
+            model,
+            chunk,
+            temperature=temperature,
+            vocab_size=vocab_size,
+            chunk_size=chunk_size,
+            packed=packed,
+            shared_prompt=shared_prompt,
         )[0]
 
     return _row_by_row(logprobs, sequences, forward_batches(sequences["input_ids"].shape[0], batch_size, batches))

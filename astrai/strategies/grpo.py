@@ -78,6 +78,7 @@ class GrpoStrategy(OnlineStrategy):
                 chunk_size=self.job.train.logits_chunk_size,
                 packed=self.job.rl.packing,
                 batches=self.forward_batches(targets),
+                shared_prompt=self.job.rl.share_prefix,
             )
             if not self.kl_in_reward():
                 targets["reference_logprobs"] = reference
@@ -113,10 +114,10 @@ class GrpoStrategy(OnlineStrategy):
         settings, mask = self.job.rl, batch["response_mask"]
         options = self.router_options(policy)  # a mixture of experts returns its load-balancing loss
         temperature, vocab_size = self.job.rollout.temperature, len(self.tokenizer)
-        chunk_size, packed = self.job.train.logits_chunk_size, self.job.rl.packing
+        chunk_size, packed, shared = self.job.train.logits_chunk_size, self.job.rl.packing, self.job.rl.share_prefix
         logprobs, entropy, output = response_token_statistics(
             policy, batch, temperature=temperature, vocab_size=vocab_size, chunk_size=chunk_size, entropy="metric",
-            packed=packed, **options,
+            packed=packed, shared_prompt=shared, **options,
         )  # fmt: skip
         advantages = batch["advantages"]
         if advantages.dim() == 1:

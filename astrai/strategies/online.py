@@ -126,6 +126,16 @@ def check_dapo_settings(job) -> None:
             )
 
 
+def replay_order(geometry: BatchGeometry, group_size: int, by_group: bool, generator: torch.Generator) -> torch.Tensor:
+    """A replay epoch's order of this rank's sequences: a permutation of them all, or with rl.share_prefix of
+    whole groups (a rollout lays a group's responses out together), so that a micro-batch of group_size x k
+    sequences holds k prompts to run once each; verl's minibatches keep groups together too."""
+    if not by_group:
+        return torch.randperm(geometry.sequences_per_rank, generator=generator)
+    groups = torch.randperm(geometry.sequences_per_rank // group_size, generator=generator)
+    return (groups[:, None] * group_size + torch.arange(group_size)).flatten()
+
+
 def round_seed(seed: int, step: int, rank: int, sampling_round: int) -> int:
     """The sampling seed of one round of a step on one rank; round 0 is `sampling_seed(seed, step, rank)`,
     so a run without rl.dynamic_sampling samples what it always did."""
@@ -217,6 +227,7 @@ class OnlineStrategy(Strategy):
             logits_chunk_size=self.job.train.logits_chunk_size,
             packed=self.job.rl.packing,
             logprob_batches=self.forward_batches,
+            shared_prompt=self.job.rl.share_prefix,
         )
         if self.job.rl.mask_truncated:
             rollout.loss_rows = ~rollout.truncated
@@ -324,12 +335,14 @@ class OnlineStrategy(Strategy):
         """One list of micro-batches per optimizer step, over a fresh permutation of this rank's sequences each
         epoch (seeded by step, epoch and rank, so a resumed run replays the same): grad_accum_steps of
         micro_batch_size sequences, or with rl.packing its token cut (`token_cuts`; an empty micro-batch is one
-        sequence without loss tokens, so that the rank still runs its forward and backward)."""
+        sequence without loss tokens, so that the rank still runs its forward and backward). With rl.share_prefix
+        the permutation moves whole groups (`replay_order`)."""
         geometry = self.geometry
         generator = torch.Generator().manual_seed(
             sampling_seed(self.job.train.seed, step, self.dist.rank, stream=1 + epoch)
         )
-        order = torch.randperm(geometry.sequences_per_rank, generator=generator).to(targets["input_ids"].device)
+        order = replay_order(geometry, self.job.rollout.group_size, self.job.rl.share_prefix, generator)
+        order = order.to(targets["input_ids"].device)
         updates = order.split(geometry.sequences_per_update)
         if not self.cuts_by_tokens:
             for update in updates:

@@ -178,6 +178,7 @@ class PPOStrategy(OnlineStrategy):
             chunk_size=self.job.train.logits_chunk_size,
             packed=settings.packing,
             batches=self.forward_batches(targets),
+            shared_prompt=settings.share_prefix,
         )
         if not settings.kl_in_reward:
             targets["reference_logprobs"] = reference
@@ -217,6 +218,7 @@ class PPOStrategy(OnlineStrategy):
             chunk_size=self.job.train.logits_chunk_size,
             entropy="trained" if settings.entropy_coef > 0 else "metric",
             packed=self.job.rl.packing,
+            shared_prompt=settings.share_prefix,
             **options,
         )
         surrogate = ppo_policy_loss(

@@ -7,6 +7,10 @@ log-probs, kept from the sampler in fp32, enter the ratio).
 ONE launch runs the four jobs. A tiny Llama from `model.init`; the reward (`dapo_reward.py`) pays about a
 quarter of the responses, so groups differ and some steps need a second sampling round. Same seed, same
 tokens: every rollout metric is equal, and the losses agree to the ~1e-7 the sampler's log-probs may move.
+
+The same launch runs `rl.share_prefix` (the policy's two forwards per micro-batch, prefix then responses, and
+the partitioned reference's) against the plain forwards under ZeRO-3's `gather`, with one optimizer step per
+rollout so that the replay's grouped order cannot change the update: every step's metrics agree.
 """
 
 from __future__ import annotations
@@ -27,13 +31,15 @@ model:
 tokenizer: {{build: {{kind: char}}}}
 data: {{path: {folder}/prompts.jsonl, max_seq_len: 32}}
 rollout: {{prompts_per_step: 4, group_size: 4, max_new_tokens: 6, zero3_generation: {mode}, share_prefill: {share}}}
-rl: {{kl_coef: 0.04, dynamic_sampling: true, max_sampling_rounds: 3, epochs_per_rollout: 2}}
+rl: {{kl_coef: 0.04, dynamic_sampling: true, max_sampling_rounds: 3, epochs_per_rollout: {epochs},
+     share_prefix: {prefix}}}
 reward: {{function: "tests.integration.dapo_reward:first_character_reward"}}
-train: {{train_type: grpo, max_steps: 3, micro_batch_size: 2, grad_accum_steps: 2, lr: 5e-3,
+train: {{train_type: grpo, max_steps: 3, micro_batch_size: 2, grad_accum_steps: {accumulation}, lr: 5e-3,
         lr_schedule: constant, warmup_steps: 0, seed: 11}}
 deepspeed: {{zero_stage: 3}}
 runtime: {{progress_bar: false, tensorboard: false}}
 """
+REPLAY = {"epochs": 2, "accumulation": 2}  # two optimizer steps per epoch, two epochs
 EQUAL = ("reward_mean", "sampled_reward_mean", "sampling_rounds", "kept_groups", "response_len_mean", "samples")
 CLOSE = ("loss", "entropy", "kl", "clip_frac")
 
@@ -48,8 +54,14 @@ def launched(tmp_path_factory):
         for share in ("true", "false"):
             name = f"{mode}_{share}"
             config = folder / f"{name}.yaml"
-            config.write_text(JOB.format(folder=folder, name=name, mode=mode, share=share))
+            config.write_text(JOB.format(**REPLAY, folder=folder, name=name, mode=mode, share=share, prefix="false"))
             runs.append({"name": name, "config": str(config)})
+    for prefix in ("true", "false"):  # 8 sequences a rank = one optimizer step of 2 x 4
+        name = f"prefix_{prefix}"
+        config = folder / f"{name}.yaml"
+        job = JOB.format(folder=folder, name=name, mode="gather", share="true", epochs=1, accumulation=4, prefix=prefix)
+        config.write_text(job)
+        runs.append({"name": name, "config": str(config)})
     return folder, launch_plan(folder, runs)
 
 
@@ -66,3 +78,16 @@ def test_zero3_shared_prefill_samples_what_every_copy_samples(launched, mode):
         assert [r[field] for r in shared] == pytest.approx([r[field] for r in unshared], rel=1e-5, abs=1e-6), field
     # Not a vacuous comparison: rewards vary, and the replayed minibatches moved the policy.
     assert 0 < sum(r["reward_mean"] for r in shared) < 3 and shared[-1]["kl"] > 0
+
+
+def test_zero3_share_prefix_trains_as_the_plain_forwards(launched):
+    folder, results = launched
+    for prefix in ("true", "false"):
+        assert results[f"prefix_{prefix}"]["ok"], results[f"prefix_{prefix}"]
+    shared, plain = metrics(folder, "prefix_true"), metrics(folder, "prefix_false")
+    assert [r["step"] for r in shared] == [r["step"] for r in plain] == [1, 2, 3]
+    for field in EQUAL:
+        assert [r[field] for r in shared] == [r[field] for r in plain], field
+    for field in CLOSE:
+        assert [r[field] for r in shared] == pytest.approx([r[field] for r in plain], rel=1e-5, abs=1e-6), field
+    assert 0 < sum(r["reward_mean"] for r in shared) < 3 and shared[-1]["kl"] > 0  # the policy moved

@@ -21,6 +21,8 @@ def test_grpo_vs_trl_dry_run_builds_valid_jobs_without_trl(tmp_path):
     jobs = tmp_path / "grpo_vs_trl_work" / "jobs"
     shared, unshared = (yaml.safe_load((jobs / f"{name}.yaml").read_text()) for name in ("astrai", "astrai_unshared"))
     assert shared["rollout"]["share_prefill"] is True and unshared["rollout"]["share_prefill"] is False
+    prefix = yaml.safe_load((jobs / "astrai_prefix.yaml").read_text())
+    assert prefix["rl"]["share_prefix"] is True and shared["rl"]["share_prefix"] is False
     assert shared["reward"]["function"] == "astrai.rollout.rewards:arithmetic_exact_match"
     # one optimizer step per rollout: prompts x group = micro-batch x accumulation
     rollout, train = shared["rollout"], shared["train"]
@@ -33,16 +35,16 @@ def test_grpo_vs_trl_dry_run_builds_valid_jobs_without_trl(tmp_path):
 @pytest.mark.slow
 def test_grpo_vs_trl_smoke_astrai_variants(tmp_path):
     arguments = ["--size", "tiny", "--steps", "2", "--warmup", "1", "--rounds", "1", "--new-tokens", "2"]
-    command = [sys.executable, str(SCRIPT), *arguments, "--variants", "astrai,astrai_unshared"]
+    command = [sys.executable, str(SCRIPT), *arguments, "--variants", "astrai_prefix,astrai"]
     completed = run_bounded([*command, "--results-dir", str(tmp_path)], 300, cwd=REPO, env=child_env())
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     result = json.loads((tmp_path / "grpo_vs_trl.json").read_text())
     assert (tmp_path / "grpo_vs_trl.md").read_text().strip()
-    assert [run["variant"] for run in result["runs"]] == ["astrai", "astrai_unshared"]
+    assert [run["variant"] for run in result["runs"]] == ["astrai_prefix", "astrai"]  # rl.share_prefix runs too
     assert all(run["best_step_s"] <= run["step_s"] and len(run["step_seconds"]) == 2 for run in result["runs"])
     assert [(r["variant"], r["baseline"], r["of"]) for r in result["ratios"]] == [
-        ("astrai", "astrai_unshared", "step_s"),
-        ("astrai", "astrai_unshared", "best_step_s"),
+        ("astrai_prefix", "astrai", "step_s"),
+        ("astrai_prefix", "astrai", "best_step_s"),
     ]
 
 
