@@ -79,15 +79,19 @@ class ValueModel(nn.Module):
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        cache=None,
         **attention_keywords,
     ) -> torch.Tensor:
         """input_ids, attention_mask, position_ids: [batch, seq_len]. Returns values [batch, seq_len] float32.
-        attention_keywords: a packed row's boundaries for the trunk's attention (rl.packing, rollout/packed.py)."""
+        attention_keywords: a packed row's boundaries for the trunk's attention (rl.packing, rollout/packed.py).
+        cache: a transformers cache the trunk extends and attends to (rl.share_prefix, rollout/shared_prompt.py);
+        without one nothing is cached."""
         hidden = self.trunk(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            use_cache=False,
+            cache=cache,
+            use_cache=cache is not None,
             **attention_keywords,
         ).last_hidden_state
         return self.value_head(hidden).squeeze(-1).float()

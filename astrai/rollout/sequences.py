@@ -225,24 +225,30 @@ def _forward_takes(model_class: type, argument: str) -> bool:
     return argument in inspect.signature(model_class.forward).parameters
 
 
-def response_values(critic, sequences: dict[str, torch.Tensor], packed: bool = False) -> torch.Tensor:
+def response_values(
+    critic, sequences: dict[str, torch.Tensor], packed: bool = False, shared_prompt: bool = False
+) -> torch.Tensor:
     """The critic's value of each response token's state: [N, R] float32, 0 on padding.
 
     `critic` maps input_ids, attention_mask, position_ids [N, P + R] to values [N, P + R] (a
     `ValueModel` or its engine). Like the logits, V_t for response token t is read at column
     P + t - 1: the state in which token t is chosen (the prompt and response tokens before it).
     `packed` (rl.packing): the same values from one forward without the padding (rollout/packed.py).
+    `shared_prompt` (rl.share_prefix): the same values, each distinct prompt run once (rollout/shared_prompt.py).
     """
     if packed:
         return packed_response_values(critic, sequences)
-    values = critic(
-        input_ids=sequences["input_ids"],
-        attention_mask=sequences["attention_mask"],
-        position_ids=sequences["position_ids"],
-    )
-    response_len = sequences["response_ids"].shape[1]
-    prompt_len = sequences["input_ids"].shape[1] - response_len
-    values = values[:, prompt_len - 1 : prompt_len - 1 + response_len]
+    if shared_prompt and shares_prompt(critic, {}):
+        values = critic(**shared_prompt_inputs(critic, sequences))  # its R positions: the R states
+    else:
+        values = critic(
+            input_ids=sequences["input_ids"],
+            attention_mask=sequences["attention_mask"],
+            position_ids=sequences["position_ids"],
+        )
+        response_len = sequences["response_ids"].shape[1]
+        prompt_len = sequences["input_ids"].shape[1] - response_len
+        values = values[:, prompt_len - 1 : prompt_len - 1 + response_len]
     return torch.where(sequences["response_mask"].bool(), values, torch.zeros_like(values))
 
 
@@ -321,10 +327,13 @@ def frozen_response_values(
     batch_size: int,
     packed: bool = False,
     batches: list[list[int]] | None = None,
+    shared_prompt: bool = False,
 ) -> torch.Tensor:
     """`response_values` without gradient, `batch_size` sequences at a time (or in `batches`): [N, R] float32.
     Under ZeRO-3 every rank must run as many forwards, as `response_logprobs`."""
     total = sequences["input_ids"].shape[0]
     return _row_by_row(
-        lambda chunk: response_values(critic, chunk, packed), sequences, forward_batches(total, batch_size, batches)
+        lambda chunk: response_values(critic, chunk, packed, shared_prompt),
+        sequences,
+        forward_batches(total, batch_size, batches),
     )

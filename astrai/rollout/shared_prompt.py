@@ -16,6 +16,9 @@ sums each prompt's gradient over its responses, as the full forward's backward d
 values equal the full forward's up to float rounding (different GEMM shapes; tests/unit/rollout/
 test_shared_prompt.py: log-probs and gradients within 1e-5 in fp32).
 
+The critic (online_ppo's ValueModel) runs the same two forwards; the R values of (2) are those of the
+states in which the R response tokens are chosen, as `response_values` cuts them from a full forward.
+
 With `train.logits_chunk_size` the second forward's output layer computes the statistics chunk by chunk as
 always (models/output_head.py): it sees R positions a row, not P + R.
 
@@ -35,13 +38,14 @@ import torch
 
 
 def shares_prompt(model, options: dict) -> bool:
-    """Whether `shared_prompt_forward` may run `model` (an engine, a frozen engine, a peft or bare model)."""
+    """Whether `shared_prompt_inputs` may serve `model` (an engine, a frozen engine, a peft or bare causal LM, or
+    the critic's ValueModel)."""
     if options:
         return False
     base = _causal_lm(model)
     if base.training and torch.is_grad_enabled() and getattr(base, "is_activation_checkpointing", False):
         return False
-    return _takes_cache(type(base)) and _plain_dynamic_cache(base.config)
+    return "cache" in _forward_parameters(type(base)) and _plain_dynamic_cache(base.config)
 
 
 def shared_prompt_forward(model, sequences: dict[str, torch.Tensor]) -> tuple[torch.Tensor, object]:
@@ -72,14 +76,18 @@ def shared_prompt_inputs(model, sequences: dict[str, torch.Tensor]) -> dict:
     rows = torch.arange(input_ids.shape[0], device=input_ids.device)
     first_row = torch.full((distinct.shape[0],), input_ids.shape[0], device=input_ids.device)
     first_row = first_row.scatter_reduce(0, row_prompt, rows, "amin")
-    cache = DynamicCache(config=_causal_lm(model).config)
+    base = _causal_lm(model)
+    accepted = _forward_parameters(type(base))
+    caching = {"use_cache": True} if "use_cache" in accepted else {}  # a critic caches whenever given a cache
+    cache = DynamicCache(config=base.config)
     model(
         input_ids=distinct[:, :prefix_len],
         attention_mask=distinct[:, prefix_len:],
         position_ids=positions[first_row, :prefix_len],
         cache=cache,
-        use_cache=True,
-        logits_to_keep=1,  # no LM head over the prompt: its logits predict nothing that is scored
+        **caching,
+        # no LM head over the prompt: its logits predict nothing that is scored
+        **({"logits_to_keep": 1} if "logits_to_keep" in accepted else {}),
     )
     cache.batch_select_indices(row_prompt)  # differentiable indexing: the backward adds the rows of a prompt
     rest = slice(prefix_len, prefix_len + response_len)
@@ -88,7 +96,7 @@ def shared_prompt_inputs(model, sequences: dict[str, torch.Tensor]) -> dict:
         "attention_mask": attention_mask[:, : prefix_len + response_len],
         "position_ids": positions[:, rest],
         "cache": cache,
-        "use_cache": True,
+        **caching,
     }
 
 
@@ -98,15 +106,15 @@ def cache_consumed(inputs: dict) -> bool:
 
 
 def _causal_lm(model):
-    """The transformers model under a DeepSpeed engine (`.module`) and a peft wrapper (`get_base_model`)."""
+    """The transformers model (or the critic's ValueModel) under a DeepSpeed engine (`.module`) and a peft
+    wrapper (`get_base_model`)."""
     model = getattr(model, "module", model)
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 @functools.cache
-def _takes_cache(model_class: type) -> bool:
-    parameters = inspect.signature(model_class.forward).parameters
-    return "cache" in parameters and "logits_to_keep" in parameters
+def _forward_parameters(model_class: type) -> frozenset[str]:
+    return frozenset(inspect.signature(model_class.forward).parameters)
 
 
 def _plain_dynamic_cache(config) -> bool:

@@ -145,6 +145,7 @@ class PPOStrategy(OnlineStrategy):
             batch_size=self.geometry.micro_batch_size,
             packed=settings.packing,
             batches=self.forward_batches(targets),
+            shared_prompt=settings.share_prefix,
         )
         kl = self.reference_kl(targets)
         coefficient = self.kl_controller.value
@@ -258,7 +259,7 @@ class PPOStrategy(OnlineStrategy):
         """vf_coef x the clipped value loss of the critic's values [B, R] against the pinned returns.
         Logged `value_loss` is before vf_coef (the regression error itself)."""
         settings, mask = self.job.rl, batch["response_mask"]
-        values = response_values(critic, batch, self.job.rl.packing)
+        values = response_values(critic, batch, self.job.rl.packing, self.job.rl.share_prefix)
         regression = value_loss(
             values,
             batch["values"],

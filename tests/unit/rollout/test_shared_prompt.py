@@ -9,12 +9,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from astrai.models.value import ValueModel, trunk_of
 from astrai.rollout.sequences import (
     join_sequences,
     left_pad,
     response_logprobs,
     response_mask,
     response_token_statistics,
+    response_values,
 )
 from astrai.rollout.shared_prompt import shared_prompt_forward, shares_prompt
 
@@ -173,5 +175,25 @@ def test_chunked_output_layer_on_the_shared_forward():
         results[shared] = logprobs.detach(), gradients(model), output.logits.shape
     assert results[True][2] == (12, 5, 2)  # the chunked layer's statistics (log-prob, entropy), not the logits
     torch.testing.assert_close(results[True][0], results[False][0], atol=1e-5, rtol=0)
+    for grad, plain in zip(results[True][1], results[False][1]):
+        torch.testing.assert_close(grad, plain, atol=1e-5, rtol=1e-4)
+
+
+def test_critic_values_and_gradients_equal_the_full_forward():
+    """online_ppo's critic (trunk + value head) takes the same two forwards: its R values are the states in which
+    the response tokens are chosen, as the full forward's cut gives them."""
+    critic = ValueModel(trunk_of(tiny_llama()))
+    torch.nn.init.normal_(critic.value_head.weight, std=0.5)
+    assert shares_prompt(critic, {})
+    sequences = grouped_sequences([[5, 6, 7, 8, 9], [10, 11], [12]], group=3)
+    results = {}
+    for shared in (False, True):
+        critic.zero_grad()
+        values = response_values(critic, sequences, shared_prompt=shared)
+        (values**2).sum().backward()
+        results[shared] = values.detach(), gradients(critic)
+    torch.testing.assert_close(results[True][0], results[False][0], atol=1e-5, rtol=0)
+    assert results[False][0].abs().sum() > 0
+    assert len(results[True][1]) == len(results[False][1]) == len(list(critic.parameters()))
     for grad, plain in zip(results[True][1], results[False][1]):
         torch.testing.assert_close(grad, plain, atol=1e-5, rtol=1e-4)

@@ -54,7 +54,7 @@ def test_grpo_targets_loss_and_gradients_equal_the_plain_forwards(tokenizer, rol
     assert prompts_per_micro_batch[1] == [1, 1]  # whole groups: each micro-batch of 4 is one prompt's responses
 
 
-def test_online_ppo_policy_and_reference_equal_the_plain_forwards(tokenizer, rollout_and_models):  # noqa: F811
+def test_online_ppo_policy_reference_and_critic_equal_the_plain_forwards(tokenizer, rollout_and_models):  # noqa: F811
     result, policy, reference = rollout_and_models
     critic = ValueModel(trunk_of(copy.deepcopy(policy)))
     torch.manual_seed(2)
@@ -69,9 +69,15 @@ def test_online_ppo_policy_and_reference_equal_the_plain_forwards(tokenizer, rol
         pinned = strategy.frozen_targets(copy.copy(result))
         targets.append(pinned)
         micro_batches = first_minibatch(strategy, pinned)
-        updates.append(minibatch_update(strategy, strategy.compute_loss, policy, micro_batches))
-    assert_same_targets(*targets)
-    assert_same_update(*updates)
+        updates.append(
+            (
+                minibatch_update(strategy, strategy.compute_loss, policy, micro_batches),
+                minibatch_update(strategy, strategy.compute_critic_loss, critic, micro_batches),
+            )
+        )
+    assert_same_targets(*targets)  # the critic's frozen values and the advantages from them included
+    for plain, shared in zip(*updates):
+        assert_same_update(plain, shared)
 
 
 def test_behaviour_logprobs_of_the_rollout_equal_the_plain_forward(tokenizer, rollout_and_models):  # noqa: F811
