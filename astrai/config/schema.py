@@ -689,7 +689,7 @@ class RlConfig(Section):
         "prompt of a micro-batch once and its responses against its keys and values, with the gradient summed "
         "over them as before (astrai/rollout/shared_prompt.py): the same losses within float rounding, less "
         "compute when group_size responses share a long prompt. The replay shuffles whole groups, so a micro-batch of "
-        "group_size x k sequences holds k prompts. Not with `rl.packing` or `model.gradient_checkpointing`.",
+        "group_size x k sequences holds k prompts. Needs rollout.group_size >= 2; not with `rl.packing` or `model.gradient_checkpointing`.",
     )
     epochs_per_rollout: int = Field(
         1,
@@ -1067,6 +1067,11 @@ class JobConfig(Section):
         if self.rl.packing:
             raise ValueError(
                 "`rl.share_prefix` with `rl.packing`: use one of them (each makes the scoring forward its own way)"
+            )
+        if self.rollout.group_size < 2:
+            raise ValueError(
+                f"`rl.share_prefix` with `rollout.group_size: {self.rollout.group_size}`: each prompt has one "
+                "response, so there is no prompt to share (it would only add a forward); set it false or sample a group"
             )
         if self.model.gradient_checkpointing:
             raise ValueError(

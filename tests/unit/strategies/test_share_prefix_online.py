@@ -115,6 +115,10 @@ def test_the_replay_moves_whole_groups_and_every_sequence_once(tokenizer, rollou
             {"model": {"init": TINY, "gradient_checkpointing": True}, "rl": {"share_prefix": True}},
             "`rl.share_prefix` with `model.gradient_checkpointing`",
         ),
+        (
+            {"rl": {"share_prefix": True}, "rollout": {"group_size": 1}},
+            "`rl.share_prefix` with `rollout.group_size: 1`: each prompt has one response",
+        ),
     ],
 )
 def test_combinations_it_cannot_serve_are_refused_naming_the_keys(sections, message):
