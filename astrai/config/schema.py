@@ -688,8 +688,9 @@ class RlConfig(Section):
         description="The policy's, the reference's and the critic's forwards (grpo, online_ppo) run each distinct "
         "prompt of a micro-batch once and its responses against its keys and values, with the gradient summed "
         "over them as before (astrai/rollout/shared_prompt.py): the same losses within float rounding, less "
-        "compute when group_size responses share a long prompt. The replay shuffles whole groups, so a micro-batch of "
-        "group_size x k sequences holds k prompts. Needs rollout.group_size >= 2; not with `rl.packing` or `model.gradient_checkpointing`.",
+        "compute when group_size responses share a long prompt. The replay shuffles whole groups, so a "
+        "micro-batch of group_size x k sequences holds k prompts. Needs rollout.group_size >= 2; not with "
+        "`rl.packing` or `model.gradient_checkpointing`.",
     )
     epochs_per_rollout: int = Field(
         1,
