@@ -1,4 +1,4 @@
-"""`rl.share_prefix`: the policy's and the reference's scoring forwards run each distinct prompt once.
+"""`rl.share_prefix`: the scoring forwards (policy, reference, behaviour, critic) run each distinct prompt once.
 
 A grpo step scores group_size responses to every prompt, and a plain forward over prompt ++ response (TRL's,
 verl's) runs every copy of the prompt: on short answers to long prompts most of the forward, and of the
