@@ -159,7 +159,7 @@ def main(argv=None) -> int:
     results_dir, work, info = fresh_workspace(args.results_dir, args.name)
     tokenizer, init = prepare(work, args.size)
     args.rounds, args.warmup = 1, 0
-    job_path = astrai_job(work, tokenizer, init, args, "profiled", share_prefill=True)
+    job_path = astrai_job(work, tokenizer, init, args, "profiled", "astrai")  # (--set rl.share_prefix=true)
 
     import torch
 
