@@ -23,7 +23,8 @@ from tests.integration.plan import launch_plan, metrics
 
 pytestmark = pytest.mark.slow
 
-JOB = """\
+# What every job of the launch shares: a tiny Llama from `model.init`, ZeRO-3.
+COMMON = """\
 output_dir: {folder}/{name}
 model:
   init: {{model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4,
@@ -31,31 +32,24 @@ model:
   zero3_init: false
 tokenizer: {{build: {{kind: char}}}}
 data: {{path: {folder}/prompts.jsonl, max_seq_len: 32}}
+deepspeed: {{zero_stage: 3}}
+runtime: {{progress_bar: false, tensorboard: false}}
+"""
+JOB = COMMON + """\
 rollout: {{prompts_per_step: 4, group_size: 4, max_new_tokens: 6, zero3_generation: {mode}, share_prefill: {share}}}
 rl: {{kl_coef: 0.04, dynamic_sampling: true, max_sampling_rounds: 3, epochs_per_rollout: {epochs},
      share_prefix: {prefix}}}
 reward: {{function: "tests.integration.dapo_reward:first_character_reward"}}
 train: {{train_type: grpo, max_steps: 3, micro_batch_size: 2, grad_accum_steps: {accumulation}, lr: 5e-3,
         lr_schedule: constant, warmup_steps: 0, seed: 11}}
-deepspeed: {{zero_stage: 3}}
-runtime: {{progress_bar: false, tensorboard: false}}
 """
-PPO_JOB = """\
-output_dir: {folder}/{name}
-model:
-  init: {{model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4,
-          num_key_value_heads: 2, max_position_embeddings: 64, tie_word_embeddings: true}}
-  zero3_init: false
-tokenizer: {{build: {{kind: char}}}}
-data: {{path: {folder}/prompts.jsonl, max_seq_len: 32}}
+PPO_JOB = COMMON + """\
 rollout: {{prompts_per_step: 4, group_size: 2, max_new_tokens: 6}}
 rl: {{kl_coef: 0.04, share_prefix: {prefix}}}
 reward: {{function: "tests.integration.dapo_reward:first_character_reward"}}
 critic: {{lr: 5e-3}}
 train: {{train_type: online_ppo, max_steps: 3, micro_batch_size: 2, grad_accum_steps: 2, lr: 5e-3,
         lr_schedule: constant, warmup_steps: 0, seed: 11}}
-deepspeed: {{zero_stage: 3}}
-runtime: {{progress_bar: false, tensorboard: false}}
 """
 PPO_CLOSE = ("loss", "policy_loss", "value_loss", "kl", "entropy")
 REPLAY = {"epochs": 2, "accumulation": 2}  # two optimizer steps per epoch, two epochs

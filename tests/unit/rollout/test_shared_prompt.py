@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from astrai.models.value import ValueModel, trunk_of
 from astrai.rollout.sequences import (
@@ -19,25 +19,14 @@ from astrai.rollout.sequences import (
     response_values,
 )
 from astrai.rollout.shared_prompt import shared_prompt_forward, shares_prompt
+from tests.unit.rollout.test_sequences import SCORING_LLAMA
 
-EOS, PAD, VOCAB = 3, 0, 40
+EOS, PAD, VOCAB = 3, 0, SCORING_LLAMA.vocab_size
 
 
-def tiny_llama(**overrides) -> LlamaForCausalLM:
+def tiny_llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        pad_token_id=PAD,
-        eos_token_id=EOS,
-        **overrides,
-    )
-    return LlamaForCausalLM(config).float()
+    return LlamaForCausalLM(SCORING_LLAMA).float()
 
 
 def grouped_sequences(prompts: list[list[int]], group: int, response_len: int = 5, seed: int = 1) -> dict:

@@ -72,6 +72,15 @@ def setup(strategy, config, reference):
     return strategy
 
 
+def ppo_setup(config, tokenizer, reference, critic) -> PPOStrategy:
+    """An online_ppo strategy as `setup` makes grpo's, with its critic and a fixed KL coefficient."""
+    strategy = setup(PPOStrategy(config, tokenizer), config, reference)
+    strategy.critic = PlainEngine(critic)
+    strategy.kl_controller = FixedKLController(config.rl.kl_coef)
+    strategy.loss_kl_coef = config.rl.kl_coef
+    return strategy
+
+
 def grads(model, loss) -> dict[str, torch.Tensor]:
     model.zero_grad()
     loss.backward()
@@ -263,10 +272,7 @@ def test_online_ppo_packed_policy_reference_and_critic_equal_padded(tokenizer, r
     for packing in (False, True):
         train = {"micro_batch_tokens": max(sequence_tokens(result))} if packing and budget == "one" else {}
         config = online_job("online_ppo", TINY, rl={"kl_coef": 0.1, "packing": packing}, train=train)
-        strategy = setup(PPOStrategy(config, tokenizer), config, reference)
-        strategy.critic = PlainEngine(critic)
-        strategy.kl_controller = FixedKLController(config.rl.kl_coef)
-        strategy.loss_kl_coef = config.rl.kl_coef
+        strategy = ppo_setup(config, tokenizer, reference, critic)
         pinned = strategy.frozen_targets(copy.copy(result))
         targets.append(pinned)
         micro_batches = first_minibatch(strategy, pinned)

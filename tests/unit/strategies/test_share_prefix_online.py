@@ -9,13 +9,11 @@ import copy
 import pytest
 import torch
 
-from astrai.algos import FixedKLController
 from astrai.config import ConfigError, JobConfig
 from astrai.models.value import ValueModel, trunk_of
 from astrai.rollout.generation import generate_rollout
 from astrai.rollout.prompts import render_prompt
 from astrai.strategies.grpo import GrpoStrategy
-from astrai.strategies.ppo import PPOStrategy
 from tests.unit.rollout_fixtures import PlainEngine, online_job
 from tests.unit.strategies.test_packing_online import (
     TINY,
@@ -23,6 +21,7 @@ from tests.unit.strategies.test_packing_online import (
     assert_same_update,
     first_minibatch,
     minibatch_update,
+    ppo_setup,
     rollout_and_models,  # noqa: F401 (a fixture)
     setup,
     tokenizer,  # noqa: F401 (a fixture)
@@ -62,10 +61,7 @@ def test_online_ppo_policy_reference_and_critic_equal_the_plain_forwards(tokeniz
     updates, targets = [], []
     for share in (False, True):
         config = online_job("online_ppo", TINY, rl={"kl_coef": 0.1, "share_prefix": share}, train=WHOLE_ROLLOUT)
-        strategy = setup(PPOStrategy(config, tokenizer), config, reference)
-        strategy.critic = PlainEngine(critic)
-        strategy.kl_controller = FixedKLController(config.rl.kl_coef)
-        strategy.loss_kl_coef = config.rl.kl_coef
+        strategy = ppo_setup(config, tokenizer, reference, critic)
         pinned = strategy.frozen_targets(copy.copy(result))
         targets.append(pinned)
         micro_batches = first_minibatch(strategy, pinned)
