@@ -35,7 +35,9 @@ data: {{path: {folder}/prompts.jsonl, max_seq_len: 32}}
 deepspeed: {{zero_stage: 3}}
 runtime: {{progress_bar: false, tensorboard: false}}
 """
-JOB = COMMON + """\
+JOB = (
+    COMMON
+    + """\
 rollout: {{prompts_per_step: 4, group_size: 4, max_new_tokens: 6, zero3_generation: {mode}, share_prefill: {share}}}
 rl: {{kl_coef: 0.04, dynamic_sampling: true, max_sampling_rounds: 3, epochs_per_rollout: {epochs},
      share_prefix: {prefix}}}
@@ -43,7 +45,10 @@ reward: {{function: "tests.integration.dapo_reward:first_character_reward"}}
 train: {{train_type: grpo, max_steps: 3, micro_batch_size: 2, grad_accum_steps: {accumulation}, lr: 5e-3,
         lr_schedule: constant, warmup_steps: 0, seed: 11}}
 """
-PPO_JOB = COMMON + """\
+)
+PPO_JOB = (
+    COMMON
+    + """\
 rollout: {{prompts_per_step: 4, group_size: 2, max_new_tokens: 6}}
 rl: {{kl_coef: 0.04, share_prefix: {prefix}}}
 reward: {{function: "tests.integration.dapo_reward:first_character_reward"}}
@@ -51,6 +56,7 @@ critic: {{lr: 5e-3}}
 train: {{train_type: online_ppo, max_steps: 3, micro_batch_size: 2, grad_accum_steps: 2, lr: 5e-3,
         lr_schedule: constant, warmup_steps: 0, seed: 11}}
 """
+)
 PPO_CLOSE = ("loss", "policy_loss", "value_loss", "kl", "entropy")
 REPLAY = {"epochs": 2, "accumulation": 2}  # two optimizer steps per epoch, two epochs
 EQUAL = ("reward_mean", "sampled_reward_mean", "sampling_rounds", "kept_groups", "response_len_mean", "samples")
