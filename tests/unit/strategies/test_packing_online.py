@@ -81,6 +81,15 @@ def ppo_setup(config, tokenizer, reference, critic) -> PPOStrategy:
     return strategy
 
 
+def ppo_updates(strategy, pinned, policy, critic) -> tuple:
+    """The policy's and the critic's updates (`minibatch_update`) of the first minibatch."""
+    micro_batches = first_minibatch(strategy, pinned)
+    return (
+        minibatch_update(strategy, strategy.compute_loss, policy, micro_batches),
+        minibatch_update(strategy, strategy.compute_critic_loss, critic, micro_batches),
+    )
+
+
 def grads(model, loss) -> dict[str, torch.Tensor]:
     model.zero_grad()
     loss.backward()
@@ -275,13 +284,7 @@ def test_online_ppo_packed_policy_reference_and_critic_equal_padded(tokenizer, r
         strategy = ppo_setup(config, tokenizer, reference, critic)
         pinned = strategy.frozen_targets(copy.copy(result))
         targets.append(pinned)
-        micro_batches = first_minibatch(strategy, pinned)
-        updates.append(
-            (
-                minibatch_update(strategy, strategy.compute_loss, policy, micro_batches),
-                minibatch_update(strategy, strategy.compute_critic_loss, critic, micro_batches),
-            )
-        )
+        updates.append(ppo_updates(strategy, pinned, policy, critic))
     assert_same_targets(*targets)
     for padded, packed in zip(*updates):
         assert_same_update(padded, packed)

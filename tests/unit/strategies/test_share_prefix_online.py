@@ -22,6 +22,7 @@ from tests.unit.strategies.test_packing_online import (
     first_minibatch,
     minibatch_update,
     ppo_setup,
+    ppo_updates,
     rollout_and_models,  # noqa: F401 (a fixture)
     setup,
     tokenizer,  # noqa: F401 (a fixture)
@@ -64,13 +65,7 @@ def test_online_ppo_policy_reference_and_critic_equal_the_plain_forwards(tokeniz
         strategy = ppo_setup(config, tokenizer, reference, critic)
         pinned = strategy.frozen_targets(copy.copy(result))
         targets.append(pinned)
-        micro_batches = first_minibatch(strategy, pinned)
-        updates.append(
-            (
-                minibatch_update(strategy, strategy.compute_loss, policy, micro_batches),
-                minibatch_update(strategy, strategy.compute_critic_loss, critic, micro_batches),
-            )
-        )
+        updates.append(ppo_updates(strategy, pinned, policy, critic))
     assert_same_targets(*targets)  # the critic's frozen values and the advantages from them included
     for plain, shared in zip(*updates):
         assert_same_update(plain, shared)
