@@ -118,18 +118,23 @@ def _zero_config_dropout(config: PreTrainedConfig) -> int:
     return changed
 
 
-def routes_tokens(model) -> bool:
-    """Whether the causal LM under `model` (an engine wraps it as `.module`) is a mixture of experts that
-    can return its router's load-balancing loss (`output_router_logits`: Qwen2-MoE, Mixtral, ...)."""
+def causal_lm(model):
+    """The transformers model under `model`: a DeepSpeed engine's `.module`, then a LoRA policy's base model
+    (PEFT's wrapper passes every forward argument on to it). For the critic, its ValueModel."""
     module = getattr(model, "module", model)
-    if hasattr(module, "get_base_model"):  # a LoRA policy: PEFT's wrapper passes the argument on to its base
-        module = module.get_base_model()
-    return _forward_takes_router_logits(type(module))
+    return module.get_base_model() if hasattr(module, "get_base_model") else module
 
 
 @functools.cache
-def _forward_takes_router_logits(model_class: type) -> bool:
-    return "output_router_logits" in inspect.signature(model_class.forward).parameters
+def forward_parameters(model_class: type) -> frozenset[str]:
+    """The argument names of the class's forward: asked once per class, not at every forward of a hot loop."""
+    return frozenset(inspect.signature(model_class.forward).parameters)
+
+
+def routes_tokens(model) -> bool:
+    """Whether the causal LM under `model` is a mixture of experts that can return its router's
+    load-balancing loss (`output_router_logits`: Qwen2-MoE, Mixtral, ...)."""
+    return "output_router_logits" in forward_parameters(type(causal_lm(model)))
 
 
 def router_aux_loss_coef(setting: float | None, model) -> float:

@@ -18,8 +18,6 @@ response logits of a forward over the whole sequence are logits[:, P - 1 : P + R
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Sequence
 
 import torch
@@ -27,6 +25,7 @@ import torch
 from astrai.algos.logprobs import real_vocabulary, token_logprobs
 from astrai.algos.ppo import entropy_from_logits
 from astrai.models.output_head import chunked_token_statistics
+from astrai.models.policy import forward_parameters
 from astrai.rollout.packed import packed_response_forward, packed_response_values
 from astrai.rollout.shared_prompt import cache_consumed, shared_prompt_forward, shared_prompt_inputs, shares_prompt
 
@@ -219,10 +218,9 @@ def _keeps_logits(model) -> bool:
     return _forward_takes(type(getattr(model, "module", model)), "logits_to_keep")
 
 
-@functools.cache
 def _forward_takes(model_class: type, argument: str) -> bool:
-    """Whether the class's forward names `argument`; asked once per class, not at every forward of the hot loop."""
-    return argument in inspect.signature(model_class.forward).parameters
+    """Whether the class's forward names `argument` (read once per class)."""
+    return argument in forward_parameters(model_class)
 
 
 def response_values(

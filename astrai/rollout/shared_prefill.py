@@ -23,10 +23,10 @@ attention mask, pads at 0), so left-padded prompts of different lengths land whe
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.distributed as dist
+
+from astrai.models.policy import causal_lm, forward_parameters
 
 
 def shares_prefill(settings, group_size: int, prompt_ids: torch.Tensor, model, *, synced: bool) -> bool:
@@ -64,7 +64,7 @@ def group_prefill_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
             f"{group_size} identical rows"
         )
     prefix_ids, prefix_mask = distinct_ids[:, :-1], distinct_mask[:, :-1]
-    accepted = _forward_parameters(model)
+    accepted = forward_parameters(type(causal_lm(model)))
     inputs = {"input_ids": prefix_ids, "attention_mask": prefix_mask, "use_cache": True}
     if "position_ids" in accepted:  # generate's own rule (_prepare_position_ids_for_generation): pads at 0
         inputs["position_ids"] = (prefix_mask.long().cumsum(-1) - 1).masked_fill(prefix_mask == 0, 0)
@@ -74,8 +74,3 @@ def group_prefill_cache(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     model(cache=cache, **inputs)
     cache.batch_repeat_interleave(group_size)
     return cache
-
-
-def _forward_parameters(model) -> set[str]:
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model's wrapped LM
-    return set(inspect.signature(base.forward).parameters)

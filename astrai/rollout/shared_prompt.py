@@ -31,10 +31,9 @@ and config), so ZeRO-3's forwards stay matched: two per micro-batch on every ran
 
 from __future__ import annotations
 
-import functools
-import inspect
-
 import torch
+
+from astrai.models.policy import causal_lm, forward_parameters
 
 
 def shares_prompt(model, options: dict) -> bool:
@@ -42,10 +41,10 @@ def shares_prompt(model, options: dict) -> bool:
     the critic's ValueModel)."""
     if options:
         return False
-    base = _causal_lm(model)
+    base = causal_lm(model)
     if base.training and torch.is_grad_enabled() and getattr(base, "is_activation_checkpointing", False):
         return False
-    return "cache" in _forward_parameters(type(base)) and _plain_dynamic_cache(base.config)
+    return "cache" in forward_parameters(type(base)) and _plain_dynamic_cache(base.config)
 
 
 def shared_prompt_forward(model, sequences: dict[str, torch.Tensor]) -> tuple[torch.Tensor, object]:
@@ -76,8 +75,8 @@ def shared_prompt_inputs(model, sequences: dict[str, torch.Tensor]) -> dict:
     rows = torch.arange(input_ids.shape[0], device=input_ids.device)
     first_row = torch.full((distinct.shape[0],), input_ids.shape[0], device=input_ids.device)
     first_row = first_row.scatter_reduce(0, row_prompt, rows, "amin")
-    base = _causal_lm(model)
-    accepted = _forward_parameters(type(base))
+    base = causal_lm(model)
+    accepted = forward_parameters(type(base))
     caching = {"use_cache": True} if "use_cache" in accepted else {}  # a critic caches whenever given a cache
     cache = DynamicCache(config=base.config)
     model(
@@ -103,18 +102,6 @@ def shared_prompt_inputs(model, sequences: dict[str, torch.Tensor]) -> dict:
 def cache_consumed(inputs: dict) -> bool:
     """Whether a forward already ran on `shared_prompt_inputs`' inputs (their cache holds more than the prefix)."""
     return inputs["cache"].get_seq_length() != inputs["attention_mask"].shape[1] - inputs["input_ids"].shape[1]
-
-
-def _causal_lm(model):
-    """The transformers model (or the critic's ValueModel) under a DeepSpeed engine (`.module`) and a peft
-    wrapper (`get_base_model`)."""
-    model = getattr(model, "module", model)
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-@functools.cache
-def _forward_parameters(model_class: type) -> frozenset[str]:
-    return frozenset(inspect.signature(model_class.forward).parameters)
 
 
 def _plain_dynamic_cache(config) -> bool:
