@@ -17,17 +17,25 @@ def tiny_tokenizer():
     return build_tokenizer("char", [ALPHABET])
 
 
+# The 2-layer, 32-wide Llama most in-process tests build; the vocabulary and special ids are each test's own.
+LLAMA_SHAPE = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+# The same as a job's `model.init` block (tied embeddings).
+LLAMA_INIT = {"model_type": "llama", **LLAMA_SHAPE, "tie_word_embeddings": True}
+
+
 def tiny_model(tokenizer, seed: int = 0) -> LlamaForCausalLM:
     """A 2-layer Llama with random weights: high-entropy outputs, so sampling is diverse."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
+        **LLAMA_SHAPE,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -22,6 +22,7 @@ from astrai.strategies.dpo import completion_logprobs
 from astrai.strategies.reference import DisabledAdapterReference
 from astrai.trainer import TRAIN_LOOPS
 from tests.conftest import REPO
+from tests.unit.rollout_fixtures import LLAMA_SHAPE
 
 JOB = """\
 output_dir: {output_dir}
@@ -33,15 +34,8 @@ deepspeed: {{zero_stage: {stage}}}
 checkpoint: {{every_steps: 3}}
 runtime: {{progress_bar: false, tensorboard: false}}
 """
-TINY = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    tie_word_embeddings=True,  # a tied lm_head is an alias of a frozen weight: never saved by a LoRA run
-)
+# A tied lm_head is an alias of a frozen weight: never saved by a LoRA run.
+TINY = dict(**LLAMA_SHAPE, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")

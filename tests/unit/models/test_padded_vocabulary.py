@@ -23,7 +23,7 @@ from astrai.rollout.sequences import join_sequences, left_pad
 from astrai.strategies.dpo import completion_logprobs
 from astrai.trainer import train_online
 from tests.conftest import REPO
-from tests.unit.rollout_fixtures import PlainEngine
+from tests.unit.rollout_fixtures import LLAMA_SHAPE, PlainEngine
 from tests.unit.strategies.test_grpo import job
 
 MODEL_ROWS = 64
@@ -40,12 +40,7 @@ def model(tokenizer):
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=MODEL_ROWS,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
+        **LLAMA_SHAPE,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )

@@ -20,6 +20,7 @@ from astrai.rollout.sequences import (
     response_token_statistics,
     truncated_rows,
 )
+from tests.unit.rollout_fixtures import LLAMA_SHAPE
 
 EOS, PAD = 3, 0
 
@@ -72,15 +73,7 @@ class NoKeepOption(torch.nn.Module):
 
 
 # The 2-layer, 40-token Llama the scoring-forward tests build (seeded by each test).
-SCORING_LLAMA = LlamaConfig(
-    vocab_size=40,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
+SCORING_LLAMA = LlamaConfig(vocab_size=40, **LLAMA_SHAPE)
 
 
 def test_response_logits_with_logits_to_keep_equal_a_sliced_full_forward():

@@ -20,6 +20,7 @@ from astrai.rollout.sequences import (
 )
 from astrai.rollout.shared_prompt import shared_prompt_forward, shares_prompt
 from tests.unit.rollout.test_sequences import SCORING_LLAMA
+from tests.unit.rollout_fixtures import LLAMA_SHAPE
 
 EOS, PAD, VOCAB = 3, 0, SCORING_LLAMA.vocab_size
 
@@ -133,10 +134,7 @@ def test_models_it_cannot_serve_take_the_plain_forward():
     assert not shares_prompt(tiny_llama(), {"output_router_logits": True})
     from transformers import MistralConfig, MistralForCausalLM
 
-    windowed = MistralForCausalLM(
-        MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, sliding_window=4)
-    )  # fmt: skip
+    windowed = MistralForCausalLM(MistralConfig(vocab_size=VOCAB, **LLAMA_SHAPE, sliding_window=4))
     assert not shares_prompt(windowed, {})
     checkpointed = tiny_llama()
     checkpointed.activation_checkpointing_enable()

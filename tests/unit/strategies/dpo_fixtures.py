@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from astrai.models.tokenizer import build_tokenizer
 from tests.conftest import REPO
+from tests.unit.rollout_fixtures import LLAMA_SHAPE
 
 
 def preference_folder(folder: Path, pairs: int, models: dict[str, int]) -> Path:
@@ -20,12 +21,7 @@ def preference_folder(folder: Path, pairs: int, models: dict[str, int]) -> Path:
     tokenizer = build_tokenizer("char", ["".join(lines)])
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
+        **LLAMA_SHAPE,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,

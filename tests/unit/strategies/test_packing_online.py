@@ -22,18 +22,9 @@ from astrai.rollout.sequences import response_forward
 from astrai.strategies.grpo import GrpoStrategy
 from astrai.strategies.online import batch_geometry
 from astrai.strategies.ppo import PPOStrategy
-from tests.unit.rollout_fixtures import LengthReward, PlainEngine, online_job, tiny_model, tiny_tokenizer
+from tests.unit.rollout_fixtures import LLAMA_INIT, LengthReward, PlainEngine, online_job, tiny_model, tiny_tokenizer
 
-TINY = {
-    "model_type": "llama",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": True,
-}
+TINY = LLAMA_INIT
 
 
 @pytest.fixture(scope="module")
