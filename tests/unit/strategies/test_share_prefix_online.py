@@ -128,3 +128,22 @@ def test_refused_outside_the_online_train_types():
     }
     with pytest.raises((ValueError, ConfigError), match="`rl.share_prefix` is for grpo and online_ppo, not sft"):
         JobConfig.model_validate(raw)
+
+
+def test_a_wrong_value_is_one_line_naming_the_key_and_the_override(tmp_path):
+    from astrai.config import load_job
+
+    job = tmp_path / "grpo.yaml"
+    job.write_text(
+        "output_dir: " + str(tmp_path / "out") + "\nmodel: {init: {model_type: llama, hidden_size: 32, "
+        "intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2}}\n"
+        "tokenizer: {build: {kind: char}}\ndata: {path: data/arithmetic/prompts_64.jsonl}\n"
+        "rollout: {prompts_per_step: 2, group_size: 4}\n"
+        "reward: {function: 'astrai.rollout.rewards:arithmetic_exact_match'}\n"
+        "train: {train_type: grpo, max_steps: 1, micro_batch_size: 4, grad_accum_steps: 2}\n"
+    )
+    assert load_job(job, ["rl.share_prefix=true"]).rl.share_prefix is True
+    with pytest.raises(ConfigError) as error:
+        load_job(job, ["rl.share_prefix=maybe"])
+    message = str(error.value).strip()
+    assert "--set rl.share_prefix=maybe: rl.share_prefix:" in message and len(message.splitlines()) == 1, message
