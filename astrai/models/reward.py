@@ -53,9 +53,24 @@ class RewardModel(nn.Module):
     def config(self):
         return self.trunk.config
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, attention_mask: [batch, seq_len] (right-padded). Returns rewards [batch] float32."""
-        hidden = self.trunk(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache=None,
+    ) -> torch.Tensor:
+        """input_ids, attention_mask, position_ids: [batch, seq_len], the response right-padded (the prompt may be
+        left-padded, with position_ids). Returns rewards [batch] float32.
+        cache: a transformers cache holding the prompt's keys and values (`rm.share_prefix`,
+        rollout/shared_prompt.py); input_ids are then the response's columns, attention_mask covers both."""
+        hidden = self.trunk(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=cache is not None,
+        ).last_hidden_state
         last = last_non_pad_positions(input_ids, self.pad_token_id)
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)
         return self.score(hidden[rows, last]).squeeze(-1).float()

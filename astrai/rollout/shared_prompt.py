@@ -55,20 +55,25 @@ def shared_prompt_forward(model, sequences: dict[str, torch.Tensor]) -> tuple[to
     return output.logits, output
 
 
-def shared_prompt_inputs(model, sequences: dict[str, torch.Tensor]) -> dict:
+def shared_prompt_inputs(model, sequences: dict[str, torch.Tensor], carry: int = 1) -> dict:
     """Runs the prefix forward (1.) and returns the inputs of the second (2.), whose R outputs predict the R
     response tokens: input_ids, attention_mask, position_ids and the prefix's `cache`, picked out by row. The
-    cache is the model's: a forward on these inputs extends it, so they serve one forward."""
+    cache is the model's: a forward on these inputs extends it, so they serve one forward.
+
+    carry: the prompt columns the second forward runs again. 1 (the default) for outputs that predict the
+    response tokens (logits, the critic's values); 0 for outputs at the response's own positions (a reward
+    model reads its last token, `RewardModel`): the prefix is then the whole prompt and the second forward's
+    R outputs are those of the R response columns."""
     from transformers import DynamicCache
 
     input_ids, attention_mask = sequences["input_ids"], sequences["attention_mask"]
     positions = sequences["position_ids"]
     response_len = sequences["response_ids"].shape[1]
-    if input_ids.shape[1] - response_len < 2:  # a one-column prompt: a masked column keeps the prefix non-empty
+    if input_ids.shape[1] - response_len < carry + 1:  # a one-column prefix: a masked column keeps it non-empty
         input_ids, attention_mask, positions = (
             torch.nn.functional.pad(tensor, (1, 0), value=0) for tensor in (input_ids, attention_mask, positions)
         )
-    prefix_len = input_ids.shape[1] - response_len - 1
+    prefix_len = input_ids.shape[1] - response_len - carry
     # Rows with the same prefix ids and mask have the same positions too (they follow from the mask).
     prefix = torch.cat([input_ids[:, :prefix_len], attention_mask[:, :prefix_len]], dim=1)
     distinct, row_prompt = torch.unique(prefix, dim=0, return_inverse=True)
@@ -92,7 +97,7 @@ def shared_prompt_inputs(model, sequences: dict[str, torch.Tensor]) -> dict:
     rest = slice(prefix_len, prefix_len + response_len)
     return {
         "input_ids": input_ids[:, rest],
-        "attention_mask": attention_mask[:, : prefix_len + response_len],
+        "attention_mask": attention_mask[:, : rest.stop],
         "position_ids": positions[:, rest],
         "cache": cache,
         **caching,

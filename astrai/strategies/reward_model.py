@@ -4,7 +4,10 @@ The data is dpo's: (prompt or messages, chosen, rejected) rows rendered with the
 optional per-pair margin (`rm.margin_field`). The trained module is `models.reward.RewardModel`: the
 policy's trunk (built exactly as the policy: `model.path` / `model.init`) and a scalar head read at the
 last non-pad token. Each micro-batch holds B pairs, scored as one forward of 2B sequences (chosen, then
-rejected); the step's loss is the mean over its pairs (the loop divides by the global pair count).
+rejected); the step's loss is the mean over its pairs (the loop divides by the global pair count). With
+`rm.share_prefix` the forward runs each distinct prompt of the micro-batch once (a pair's chosen and rejected
+completions share it) and the completions against its keys and values: the same rewards within float rounding
+for a fraction of the tokens when prompts are long and completions short.
 
 Metric sums per micro-batch are dpo's shape (sums over pairs, `weight` = pairs), named as TRL's
 RewardTrainer and OpenRLHF log them: `loss`, `accuracy` (r_c > r_r), `chosen_reward`, `rejected_reward`,
@@ -27,6 +30,8 @@ from astrai.config import ConfigError
 from astrai.data import render_rows
 from astrai.data.collate import pad_right
 from astrai.data.reward_pairs import reward_pair_batch
+from astrai.rollout.sequences import join_sequences, left_pad
+from astrai.rollout.shared_prompt import shared_prompt_inputs, shares_prompt
 from astrai.strategies.base import StepOutput, Strategy, register
 
 logger = logging.getLogger("astrai.rm")
@@ -89,12 +94,27 @@ class RewardModelStrategy(Strategy):
                     )
 
     def collate(self, rows: list[dict]) -> dict:
-        """[2B, T]: the B chosen sequences, then the B rejected ones; `margin` [B]."""
+        """[2B, T]: the B chosen sequences, then the B rejected ones; `margin` [B]. With `rm.share_prefix`
+        each sequence is split at its completion: the prompt left-padded, the completion right-padded
+        (`join_sequences`' layout, with position_ids and response_ids)."""
+        margin = torch.tensor([row["margin"] for row in rows], dtype=torch.float32)
         sequences = [row["chosen_ids"] for row in rows] + [row["rejected_ids"] for row in rows]
+        pad = self.tokenizer.pad_token_id
+        if not self.job.rm.share_prefix:
+            return {
+                "input_ids": pad_right(sequences, pad),
+                "attention_mask": pad_right([[1] * len(sequence) for sequence in sequences], 0),
+                "margin": margin,
+            }
+        masks = [row["chosen_mask"] for row in rows] + [row["rejected_mask"] for row in rows]
+        # The prompt ends where the completion's mask starts (at least one prompt token is kept for the prefix).
+        starts = [max(1, mask.index(1)) for mask in masks]
+        prompt_ids, prompt_mask = left_pad([ids[:start] for ids, start in zip(sequences, starts)], pad)
+        completions = [ids[start:] for ids, start in zip(sequences, starts)]
+        completion_mask = pad_right([[1] * len(completion) for completion in completions], 0)
         return {
-            "input_ids": pad_right(sequences, self.tokenizer.pad_token_id),
-            "attention_mask": pad_right([[1] * len(sequence) for sequence in sequences], 0),
-            "margin": torch.tensor([row["margin"] for row in rows], dtype=torch.float32),
+            **join_sequences(prompt_ids, prompt_mask, pad_right(completions, pad), completion_mask),
+            "margin": margin,
         }
 
     def loss_weight(self, batch: dict) -> int:
@@ -102,7 +122,7 @@ class RewardModelStrategy(Strategy):
 
     def compute_loss(self, policy, batch: dict, normalizer: float) -> StepOutput:
         pairs = batch["input_ids"].shape[0] // 2
-        rewards = policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        rewards = _rewards(policy, batch)
         chosen, rejected = rewards[:pairs], rewards[pairs:]
         margin = batch["margin"] if self.job.rm.margin_field is not None else None
         result = bradley_terry_loss(chosen, rejected, margin, self.job.rm.center_rewards_coef)
@@ -115,3 +135,16 @@ class RewardModelStrategy(Strategy):
             "weight": float(pairs),
         }
         return StepOutput(result.losses.sum() / normalizer, sums)
+
+
+def _rewards(policy, batch: dict) -> torch.Tensor:
+    """[2B] rewards of a collated batch. A split batch (`rm.share_prefix`) runs each distinct prompt once and
+    the completions against its keys and values (rollout/shared_prompt.py, prefix = the whole prompt), or, for a
+    model that cannot share a cache, one plain forward of the left-padded rows with their positions."""
+    if "response_ids" not in batch:
+        return policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    if shares_prompt(policy, {}):
+        return policy(**shared_prompt_inputs(policy, batch, carry=0))
+    return policy(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+    )

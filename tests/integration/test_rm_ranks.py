@@ -1,7 +1,8 @@
 """`rm` on 2 real gloo ranks: the reward model learns its pairs; ZeRO-0/1/2/3 agree; resume is exact, and
 continues on another ZeRO stage; the export is a plain transformers sequence classifier that scores as the
-checkpoint does and records the reward's statistics over the training pairs; online_ppo takes it as
-`reward.model_path` (with `reward.normalize: stored`) and as `critic.path`.
+checkpoint does and records the reward's statistics over the training pairs; `rm.share_prefix` trains as the
+plain forward does under ZeRO-3; online_ppo takes the export as `reward.model_path` (with
+`reward.normalize: stored`) and as `critic.path`.
 
 ONE launch runs everything (a launch costs 10-20 s of imports): a short SFT of a tiny Llama on shipped
 arithmetic chats, exported on finish; every rm job starts from that export (its trunk, its tokenizer),
@@ -72,6 +73,7 @@ def trained(tmp_path_factory):
     add("rm_resume", f"checkpoint.resume={folder / 'rm_z2' / STEP4}")
     add("rm_to_z3", f"checkpoint.resume={folder / 'rm_z2' / STEP4}", "deepspeed.zero_stage=3")
     add("rm_margin", "rm.margin_field=margin", "rm.center_rewards_coef=0.01", "train.max_steps=2")
+    add("rm_prefix_z3", "rm.share_prefix=true", "deepspeed.zero_stage=3")
     (folder / "ppo_from_rm.yaml").write_text(PPO_JOB.format(folder=folder))
     runs.append({"name": "ppo_from_rm", "config": str(folder / "ppo_from_rm.yaml")})
     return folder, rows, launch_plan(folder, runs)
@@ -108,6 +110,12 @@ def test_the_reward_model_learns_its_pairs(trained):
 @pytest.mark.parametrize("name, steps", [("rm_z0", range(1, 4)), ("rm_z1", range(1, 4)), ("rm_z3", range(1, 13))])
 def test_zero_stages_agree(trained, name, steps):
     compare(trained[0], name, "rm_z2", steps, rel=1e-4)
+
+
+def test_the_shared_prompt_forward_trains_as_the_plain_one_under_zero3(trained):
+    """rm.share_prefix: two forwards a micro-batch on every rank (the prompts, then the completions against their
+    keys and values), partitioned parameters gathered for each; the run follows the plain ZeRO-3 run."""
+    compare(trained[0], "rm_prefix_z3", "rm_z3", range(1, 13), rel=1e-5)
 
 
 def test_resume_is_exact_and_continues_on_another_stage(trained):

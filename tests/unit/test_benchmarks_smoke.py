@@ -203,3 +203,13 @@ def test_lora_vs_full_smoke(tmp_path):
     assert result["summary"]["lora"]["trainable"] < result["summary"]["full"]["trainable"]
     assert result["summary"]["lora"]["optimizer_bytes"] < result["summary"]["full"]["optimizer_bytes"]
     assert set(result["met"]) == {"checkpoint", "peak_rss", "tokens_per_s"}
+
+
+@pytest.mark.slow
+def test_rm_share_prefix_smoke(tmp_path):
+    arguments = ["--data", "long", "--rounds", "1", "--steps", "3", "--warmup", "1", "--pairs", "16"]
+    sizes = ["--prompt-chars", "40", "--completion-chars", "8", "--long-micro-batch", "4", "--threads", "1"]
+    result = run_benchmark("rm_share_prefix.py", tmp_path, *arguments, *sizes)
+    case = result["cases"]["long"]
+    assert [run["steps_timed"] for run in case["runs"]["plain"] + case["runs"]["shared"]] == [2, 2]
+    assert case["plain_step_s"] > 0 and case["shared_step_s"] > 0 and case["speedup"] > 0
