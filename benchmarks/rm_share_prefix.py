@@ -7,12 +7,12 @@ Two data sets:
                 scripts/tools/make_reward_pairs.py; 25-token prompts, 3-4-token completions) on the
                 quickstart's model shape (hidden 96, 3 layers)
     long        generated pairs: prompts of `--prompt-chars` characters (one char tokenizer token each),
-                completions of `--completion-chars`, on an 8.4M-parameter Llama (hidden 256, 4 layers):
-                the shape of preference data with long prompts and short answers
+                completions of `--completion-chars`, on a 2-layer Llama of hidden size 128: the shape of
+                preference data with long prompts and short answers
 
 Figure: the median step time over the steps after `--warmup` (metrics.jsonl's elapsed_s), and shared / plain.
 
-    python benchmarks/rm_share_prefix.py                    # both data sets, 60 steps each variant, 2 rounds
+    python benchmarks/rm_share_prefix.py                    # both data sets, 40 steps each variant, 2 rounds
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from benchmarks.common import (  # noqa: E402
 WORDS = "the of and to in is was for on that with as by at from this be are or an it not which".split()
 SHAPES = {
     "arithmetic": {"hidden": 96, "intermediate": 256, "layers": 3, "heads": 4, "kv_heads": 2},
-    "long": {"hidden": 256, "intermediate": 1024, "layers": 4, "heads": 4, "kv_heads": 4},
+    "long": {"hidden": 128, "intermediate": 512, "layers": 2, "heads": 4, "kv_heads": 4},
 }
 
 
@@ -116,14 +116,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_launch_arguments(parser, "rm_share_prefix")
     parser.add_argument("--data", nargs="+", default=["arithmetic", "long"], choices=sorted(SHAPES))
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2, help="plain, shared alternated this many times")
     parser.add_argument("--micro-batch", type=int, default=128, help="pairs per step (long: use fewer)")
     parser.add_argument("--long-micro-batch", type=int, default=16)
-    parser.add_argument("--pairs", type=int, default=512, help="long: generated pairs")
-    parser.add_argument("--prompt-chars", type=int, default=512)
-    parser.add_argument("--completion-chars", type=int, default=64)
+    parser.add_argument("--pairs", type=int, default=256, help="long: generated pairs")
+    parser.add_argument("--prompt-chars", type=int, default=256)
+    parser.add_argument("--completion-chars", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads of the one rank")
     parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args(argv)
