@@ -1,4 +1,4 @@
-"""scripts/tools/make_reward_pairs.py: the shipped pair files are what it writes (deterministic), and
+"""scripts/tools/make_reward_pairs.py: the three shipped pair files are what it writes (deterministic), and
 `--every-wrong-answer` adds every wrong answer of each training row (prompts.jsonl repeats some prompts, and
 some held-out prompts recur among the training rows: docs/guides/rl.md measures accuracy on both kinds)."""
 
@@ -20,7 +20,7 @@ def test_shipped_pairs_are_reproduced_and_every_wrong_answer_is_added(tmp_path):
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert completed.returncode == 0, completed.stderr
-    for name in ("reward_pairs.jsonl", "reward_pairs_heldout.jsonl"):
+    for name in ("reward_pairs.jsonl", "reward_pairs_heldout.jsonl", "reward_pairs_all.jsonl"):
         assert (tmp_path / name).read_bytes() == (REPO / "data/arithmetic" / name).read_bytes(), name
     prompts = [json.loads(line) for line in (REPO / "data/arithmetic/prompts.jsonl").read_text().splitlines()]
     training = prompts[400:]
