@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from astrai.models.value import hidden_size
+from astrai.models.value import hidden_size, trunk_states
 
 STATS_FILE = "reward_stats.json"
 STATS_FORMAT = {"format": "astrai-reward-stats", "version": 1}
@@ -64,13 +64,7 @@ class RewardModel(nn.Module):
         left-padded, with position_ids). Returns rewards [batch] float32.
         cache: a transformers cache holding the prompt's keys and values (`rm.share_prefix`,
         rollout/shared_prompt.py); input_ids are then the response's columns, attention_mask covers both."""
-        hidden = self.trunk(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=cache is not None,
-        ).last_hidden_state
+        hidden = trunk_states(self.trunk, input_ids, attention_mask, position_ids, cache)
         last = last_non_pad_positions(input_ids, self.pad_token_id)
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)
         return self.score(hidden[rows, last]).squeeze(-1).float()

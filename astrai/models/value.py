@@ -54,6 +54,20 @@ def hidden_size(config) -> int:
     return int(size)
 
 
+def trunk_states(trunk: nn.Module, input_ids, attention_mask=None, position_ids=None, cache=None, **keywords):
+    """The trunk's last hidden states [batch, seq_len, hidden] for a scalar head (the critic's, the reward
+    model's): with a cache the trunk extends it and attends to it (a shared prompt's keys and values), without
+    one nothing is cached."""
+    return trunk(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        cache=cache,
+        use_cache=cache is not None,
+        **keywords,
+    ).last_hidden_state
+
+
 class ValueModel(nn.Module):
     """trunk + zero-initialised value head. forward -> values [batch, seq_len] float32, one per position:
     the value of the state after reading the tokens up to and including that position."""
@@ -86,14 +100,7 @@ class ValueModel(nn.Module):
         attention_keywords: a packed row's boundaries for the trunk's attention (rl.packing, rollout/packed.py).
         cache: a transformers cache the trunk extends and attends to (rl.share_prefix, rollout/shared_prompt.py);
         without one nothing is cached."""
-        hidden = self.trunk(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=cache is not None,
-            **attention_keywords,
-        ).last_hidden_state
+        hidden = trunk_states(self.trunk, input_ids, attention_mask, position_ids, cache, **attention_keywords)
         return self.value_head(hidden).squeeze(-1).float()
 
     def tie_weights(self) -> None:
