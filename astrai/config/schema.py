@@ -1065,13 +1065,12 @@ class JobConfig(Section):
             raise ValueError(f"`rl.packing` is for grpo and online_ppo, not {train_type} (use `data.packing`)")
         if self.rl.share_prefix:
             self._check_share_prefix()
-        if self.rm.share_prefix and train_type != "rm":
-            raise ValueError(f"`rm.share_prefix` is for rm, not {train_type} (grpo and online_ppo: `rl.share_prefix`)")
-        if self.rm.share_prefix and self.model.gradient_checkpointing:
-            raise ValueError(
-                "`rm.share_prefix` with `model.gradient_checkpointing`: use one of them (checkpointed layers drop "
-                "the prompt's keys and values)"
-            )
+        if self.rm.share_prefix:
+            if train_type != "rm":
+                raise ValueError(
+                    f"`rm.share_prefix` is for rm, not {train_type} (grpo and online_ppo: `rl.share_prefix`)"
+                )
+            self._refuse_checkpointing_with("rm.share_prefix")
         return self
 
     def _check_share_prefix(self) -> None:
@@ -1088,9 +1087,13 @@ class JobConfig(Section):
                 f"`rl.share_prefix` with `rollout.group_size: {self.rollout.group_size}`: each prompt has one "
                 "response, so there is no prompt to share (it would only add a forward); set it false or sample a group"
             )
+        self._refuse_checkpointing_with("rl.share_prefix")
+
+    def _refuse_checkpointing_with(self, key: str) -> None:
+        """A shared prompt's keys and values live in a cache that checkpointed layers do not keep."""
         if self.model.gradient_checkpointing:
             raise ValueError(
-                "`rl.share_prefix` with `model.gradient_checkpointing`: use one of them (checkpointed layers drop "
+                f"`{key}` with `model.gradient_checkpointing`: use one of them (checkpointed layers drop "
                 "the prompt's keys and values)"
             )
 

@@ -115,3 +115,16 @@ def test_the_key_is_refused_where_it_cannot_apply(sections, message):
     assert rm_job("pairs.jsonl", rm={"share_prefix": True}).rm.share_prefix is True
     with pytest.raises(ValueError, match=message):
         rm_job("pairs.jsonl", rm={"share_prefix": True}, **sections)
+
+
+def test_a_wrong_value_is_one_line_naming_the_key_and_the_override():
+    """Checked where the job file is read, before any rank starts."""
+    from astrai.config import ConfigError, load_job
+    from tests.conftest import REPO
+
+    config = REPO / "configs/quickstart_rm.yaml"
+    assert load_job(config, ["rm.share_prefix=false"], check_paths=False).rm.share_prefix is False
+    with pytest.raises(ConfigError) as error:
+        load_job(config, ["rm.share_prefix=maybe"], check_paths=False)
+    message = str(error.value).strip()
+    assert "--set rm.share_prefix=maybe: rm.share_prefix:" in message and len(message.splitlines()) == 1, message
