@@ -3,9 +3,8 @@
 alternated run by run.
 
 Two data sets:
-    arithmetic  the shipped every-wrong-answer pairs of the RLHF quickstart (written here by
-                scripts/tools/make_reward_pairs.py; 25-token prompts, 3-4-token completions) on the
-                quickstart's model shape (hidden 96, 3 layers)
+    arithmetic  the RLHF quickstart's shipped every-wrong-answer pairs (data/arithmetic/reward_pairs_all.jsonl;
+                25-token prompts, 3-4-token completions) on the quickstart's model shape (hidden 96, 3 layers)
     long        generated pairs: prompts of `--prompt-chars` characters (one char tokenizer token each),
                 completions of `--completion-chars`, on a 2-layer Llama of hidden size 128: the shape of
                 preference data with long prompts and short answers
@@ -21,7 +20,6 @@ import argparse
 import json
 import random
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -41,6 +39,7 @@ from benchmarks.common import (  # noqa: E402
     write_results,
 )
 
+ARITHMETIC_PAIRS = REPO / "data/arithmetic/reward_pairs_all.jsonl"
 WORDS = "the of and to in is was for on that with as by at from this be are or an it not which".split()
 SHAPES = {
     "arithmetic": {"hidden": 96, "intermediate": 256, "layers": 3, "heads": 4, "kv_heads": 2},
@@ -65,17 +64,6 @@ def long_pairs(count: int, prompt_chars: int, completion_chars: int, seed: int =
         }
         for _ in range(count)
     ]
-
-
-def arithmetic_pairs(work: Path) -> Path:
-    """The RLHF quickstart's every-wrong-answer pairs, written into `work` (the repository's data is untouched)."""
-    subprocess.run(
-        [sys.executable, str(REPO / "scripts/tools/make_reward_pairs.py"), "--out", str(work), "--every-wrong-answer"],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-    )
-    return work / "reward_pairs_all.jsonl"
 
 
 def job_text(work: Path, name: str, data: Path, shape: dict, args, shared: bool, max_len: int) -> str:
@@ -131,7 +119,7 @@ def main(argv=None) -> int:
     rows, cases = [], {}
     for data in args.data:
         if data == "arithmetic":
-            path, max_len, micro = arithmetic_pairs(work), 64, args.micro_batch
+            path, max_len, micro = ARITHMETIC_PAIRS, 64, args.micro_batch
         else:
             path = work / "long_pairs.jsonl"
             pairs = long_pairs(args.pairs, args.prompt_chars, args.completion_chars)
