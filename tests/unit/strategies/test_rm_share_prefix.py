@@ -11,7 +11,7 @@ from astrai.data.sources import load_rows
 from astrai.models.reward import RewardModel
 from astrai.models.value import trunk_of
 from astrai.strategies.reward_model import RewardModelStrategy
-from tests.unit.rollout_fixtures import LLAMA_SHAPE, tiny_tokenizer
+from tests.unit.rollout_fixtures import LLAMA_SHAPE, tiny_model, tiny_tokenizer
 from tests.unit.strategies.test_reward_model import PAIRS, rm_job, trained_like_reward_model, write_rows
 
 # A prompt twice (with two different wrong answers), so that a micro-batch holds 3 distinct prompts in 4 pairs.
@@ -23,12 +23,12 @@ ROWS = [dict(row, strength=float(index)) for index, row in enumerate(PAIRS)] + [
 SIDES = ("chosen", "rejected")
 
 
-def strategies(tmp_path, tokenizer, **rm):
+def strategies(tmp_path, tokenizer):
     path = write_rows(tmp_path / "pairs.jsonl", ROWS)
     rows = load_rows(str(path), "auto", tmp_path / "cache")
     built = {}
     for shared in (False, True):
-        job = rm_job(path, rm={"margin_field": "strength", "center_rewards_coef": 0.01, "share_prefix": shared, **rm})
+        job = rm_job(path, rm={"margin_field": "strength", "center_rewards_coef": 0.01, "share_prefix": shared})
         strategy = RewardModelStrategy(job, tokenizer)
         dataset, _ = strategy.prepare_data(rows)
         built[shared] = strategy, [dataset[index] for index in range(len(dataset))]
@@ -87,12 +87,10 @@ def test_a_model_that_cannot_share_a_cache_takes_one_plain_forward_of_the_split_
     assert float(shared.loss.detach()) == pytest.approx(float(plain.loss.detach()), abs=1e-6)
 
 
-def test_evaluation_and_a_fresh_head_see_the_same_numbers(tmp_path):
-    """A fresh (zero) head scores 0 everywhere on both paths: the step-1 loss is the margin's, exactly."""
+def test_a_fresh_head_scores_zero_on_the_shared_path(tmp_path):
+    """A fresh (zero) head scores 0 for every completion: the step-1 loss is softplus of each margin, exactly."""
     tokenizer = tiny_tokenizer()
     built = strategies(tmp_path, tokenizer)
-    from tests.unit.rollout_fixtures import tiny_model
-
     fresh = RewardModel(trunk_of(tiny_model(tokenizer)), tokenizer.pad_token_id).eval()
     with torch.no_grad():
         output = built[True][0].compute_loss(fresh, built[True][0].collate(built[True][1]), normalizer=4.0)
