@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from astrai.config import ConfigError, load_job
 from astrai.data.sources import load_rows
 from astrai.models.reward import RewardModel
 from astrai.models.value import trunk_of
 from astrai.strategies.reward_model import RewardModelStrategy
+from tests.conftest import REPO
 from tests.unit.rollout_fixtures import LLAMA_SHAPE, tiny_model, tiny_tokenizer
 from tests.unit.strategies.test_reward_model import PAIRS, rm_job, trained_like_reward_model, write_rows
 
@@ -117,9 +119,6 @@ def test_the_key_is_refused_where_it_cannot_apply(sections, message):
 
 def test_a_wrong_value_is_one_line_naming_the_key_and_the_override():
     """Checked where the job file is read, before any rank starts."""
-    from astrai.config import ConfigError, load_job
-    from tests.conftest import REPO
-
     config = REPO / "configs/quickstart_rm.yaml"
     assert load_job(config, ["rm.share_prefix=false"], check_paths=False).rm.share_prefix is False
     with pytest.raises(ConfigError) as error:
