@@ -1,5 +1,5 @@
-"""Rewards: one float per response from a Python function, a local reward model, an HTTP service,
-or a weighted sum of several (the `reward:` config section).
+"""Rewards: one float per response from a Python function, a local reward model, an HTTP service
+(`astrai.rollout.http_reward`), or a weighted sum of several (the `reward:` config section).
 
 Every source is called with keyword arguments, one list entry per response of the rank's rollout:
 
@@ -18,14 +18,9 @@ NaN or an inf) stops the run with a `RewardError` naming the reward, never a sil
 
 from __future__ import annotations
 
-import http.client
 import importlib
 import inspect
-import json
-import socket
-import threading
-import time
-import urllib.parse
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,10 +30,6 @@ import torch
 from astrai.errors import AstraiError
 
 INPUT_NAMES = ("prompts", "responses", "prompt_ids", "response_ids", "messages", "rows")
-RETRYABLE_HTTP_STATUS = {408, 429, 500, 502, 503, 504}
-HTTP_SCHEMES = ("http", "https")
-DEFAULT_MAX_RESPONSE_BYTES = 16 * 2**20  # reward.max_response_bytes: a few floats per response fit many times over
-RESPONSE_CHUNK_BYTES = 64 * 2**10
 
 
 class RewardError(AstraiError):
@@ -116,10 +107,32 @@ def load_function(spec: str) -> Callable:
     except Exception as error:  # the module runs code at import; whatever it raises means it cannot be used
         raised = f"{type(error).__name__}: {error}"
         raise RewardError(f"reward.function: importing {module_name!r} for {spec!r} raised {raised}") from None
+    except SystemExit as error:  # sys.exit() at import: uncaught, it ends the run printing only its own words
+        raise RewardError(
+            f"reward.function: {_import_site(error, module_name)}: the module exited while being imported, with "
+            f"{_exit_described(error)} (importing {module_name!r} for {spec!r}); a reward module must not exit"
+        ) from None
     function = getattr(module, attribute, None)
     if not callable(function):
         raise RewardError(f"reward.function: {module_name!r} has no callable {attribute!r}")
     return function
+
+
+def _import_site(error: BaseException, module_name: str) -> str:
+    """'file:line' of the first module-level code in `error`'s traceback: the line of the imported module
+    (or of a parent package) where the import went wrong; the module's name where there is none."""
+    sites = [
+        f"{frame.f_code.co_filename}:{line}"
+        for frame, line in traceback.walk_tb(error.__traceback__)
+        if frame.f_code.co_name == "<module>"
+    ]
+    return sites[0] if sites else f"module {module_name!r}"
+
+
+def _exit_described(error: SystemExit) -> str:
+    """SystemExit's code as the call that raised it would read: 'sys.exit(3)', "sys.exit('no GPU')", 'sys.exit()'."""
+    code = "" if error.code is None else repr(error.code)
+    return f"sys.exit({code if len(code) <= 200 else code[:197] + '...'})"
 
 
 class ModelReward:
@@ -188,135 +201,6 @@ class ModelReward:
         return (torch.cat(scores) - self.mean) / self.std
 
 
-class HttpReward:
-    """`url`: POST {"prompts", "responses", "prompt_ids", "response_ids", "messages", "rows"} as JSON;
-    the service answers {"rewards": [float, ...]} (or the bare list). Connection failures, timeouts and
-    HTTP 408/429/5xx are retried `retries` times with doubling waits; other HTTP errors are not.
-
-    Hard limits, so that a misbehaving service fails the run instead of hanging or flooding it:
-    `timeout_s` bounds each whole attempt (connect, send, status, headers and body), even against a
-    server that drips a byte at a time; an answer over `max_response_bytes` is an error; a redirect
-    (3xx) is an error naming where it points, never followed; only http:// and https:// are spoken.
-    Proxy variables of the environment (http_proxy, ...) are not used: the service is reached directly.
-    """
-
-    def __init__(
-        self,
-        url: str,
-        timeout_s: float,
-        retries: int,
-        backoff_s: float,
-        name: str | None = None,
-        max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
-    ):
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in HTTP_SCHEMES or not parts.hostname:
-            raise RewardError(f"reward.url: {url!r} must be an http:// or https:// address with a host")
-        self.url, self.timeout_s, self.retries, self.backoff_s = url, timeout_s, retries, backoff_s
-        self.max_response_bytes = max_response_bytes
-        self.name = name or url
-
-    def __call__(self, inputs: dict[str, list]) -> list[float]:
-        body = json.dumps(inputs).encode()
-        started, last_error = time.monotonic(), None
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            try:
-                status, raw = self.post(body)
-            except (OSError, http.client.HTTPException) as error:  # refused, reset, timed out, cut short
-                last_error = f"{type(error).__name__}: {error}" if not isinstance(error, TimeoutError) else str(error)
-                continue
-            if status == 200:
-                return self.rewards_of(raw)
-            if status not in RETRYABLE_HTTP_STATUS:
-                detail = raw[:300].decode(errors="replace")
-                raise RewardError(f"reward {self.name!r}: the service at {self.url} answered HTTP {status}: {detail}")
-            last_error = f"HTTP {status}"
-        raise RewardError(
-            f"reward {self.name!r}: no answer after {self.retries + 1} attempts in {time.monotonic() - started:.1f} s "
-            f"from {self.url} (last error: {last_error}); is the reward service running and reachable from every rank?"
-        )
-
-    def post(self, body: bytes) -> tuple[int, bytes]:
-        """One POST within `timeout_s` in all: (status, body). A timer shuts the socket down at the
-        deadline, which wakes any read in progress (http.client's own timeout is per read, so a server
-        sending a byte every few seconds would never trip it). Redirects and oversized answers raise
-        RewardError (not retried); a missed deadline raises TimeoutError (retried)."""
-        parts = urllib.parse.urlsplit(self.url)
-        connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        connection = connection_class(parts.hostname, parts.port, timeout=self.timeout_s)
-        expired = threading.Event()
-        timer = threading.Timer(self.timeout_s, _shut_down, args=(connection, expired))
-        timer.daemon = True
-        timer.start()
-        try:
-            path = urllib.parse.urlunsplit(("", "", parts.path or "/", parts.query, ""))
-            headers = {"Content-Type": "application/json", "Accept": "application/json"}
-            connection.request("POST", path, body=body, headers=headers)
-            response = connection.getresponse()
-            if 300 <= response.status < 400:
-                raise RewardError(
-                    f"reward {self.name!r}: the service at {self.url} answered HTTP {response.status}, a redirect to "
-                    f"{response.getheader('Location')!r}; redirects are not followed: "
-                    "set reward.url to the final address"
-                )
-            answer = response.status, self.read_body(response)
-        except (OSError, http.client.HTTPException):
-            if expired.is_set():
-                raise TimeoutError(f"no complete answer within timeout_s {self.timeout_s:g} s") from None
-            raise
-        finally:
-            timer.cancel()
-            connection.close()
-        if expired.is_set():  # the shut-down socket may read as a clean end of headers or body: never trust that
-            raise TimeoutError(f"no complete answer within timeout_s {self.timeout_s:g} s")
-        return answer
-
-    def read_body(self, response: http.client.HTTPResponse) -> bytes:
-        """The body in chunks, refused as soon as it passes `max_response_bytes` (declared or read)."""
-        limit = self.max_response_bytes
-        declared = response.getheader("Content-Length")
-        if declared is not None and declared.strip().isdigit() and int(declared) > limit:
-            raise RewardError(
-                f"reward {self.name!r}: the answer from {self.url} declares {int(declared)} bytes, "
-                f"more than max_response_bytes {limit}"
-            )
-        chunks, size = [], 0
-        while chunk := response.read(min(RESPONSE_CHUNK_BYTES, limit + 1 - size)):
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > limit:
-                raise RewardError(
-                    f"reward {self.name!r}: the answer from {self.url} is larger than max_response_bytes {limit}"
-                )
-        return b"".join(chunks)
-
-    def rewards_of(self, raw: bytes):
-        """The rewards in a 200 answer; a body that is not that JSON is not retried (the service is up
-        and answering something else: a proxy's HTML page, a wrong route). Length and finiteness are
-        checked by `checked_scores`, as for every source."""
-        try:
-            answer = json.loads(raw)
-            return answer["rewards"] if isinstance(answer, dict) else answer
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
-            raise RewardError(
-                f"reward {self.name!r}: the answer is not JSON with a 'rewards' list ({type(error).__name__}: "
-                f"{error}); it began {raw[:120]!r}"
-            ) from None
-
-
-def _shut_down(connection: http.client.HTTPConnection, expired: threading.Event) -> None:
-    """The deadline of HttpReward.post passed: wake whatever read or write is blocked on the socket."""
-    expired.set()
-    sock = connection.sock
-    if sock is not None:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:  # already closed or never connected
-            pass
-
-
 # ----------------------------------------------------------------------------- combination
 
 
@@ -349,6 +233,8 @@ class WeightedReward:
                 raise
             except Exception as error:  # a user's function may raise anything: name it and keep the cause
                 raise RewardError(f"reward {source.name!r} raised {type(error).__name__}: {error}") from error
+            except SystemExit as error:  # sys.exit() in a user's function would end this rank alone, unnamed
+                raise RewardError(f"reward {source.name!r} exited with {_exit_described(error)}") from error
             scores = checked_scores(source.name, values, expected)
             components[source.name] = scores
             total += weight * scores
@@ -360,6 +246,8 @@ def build_source(config, device: torch.device):
         return FunctionReward(config.function, config.name)
     if config.model_path is not None:
         return ModelReward(config.model_path, device, config.batch_size, config.name, config.normalize)
+    from astrai.rollout.http_reward import HttpReward  # it imports RewardError from here
+
     return HttpReward(
         config.url, config.timeout_s, config.retries, config.retry_backoff_s, config.name, config.max_response_bytes
     )
