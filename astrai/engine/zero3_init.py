@@ -83,7 +83,7 @@ def zero3_construction(ds_config: dict, enabled: bool):
     try:
         with (
             prevent_arange_dtype_change(),
-            deepspeed.zero.Init(config_dict_or_path=with_batch_size(ds_config), dtype=torch.float32),
+            deepspeed.zero.Init(config_dict_or_path=fp32_build_config(ds_config)),
         ):
             yield
     finally:
@@ -91,3 +91,17 @@ def zero3_construction(ds_config: dict, enabled: bool):
         # A tied output layer's own partition (built, initialised, then replaced by the embedding's parameter)
         # sits in a reference cycle: freed by the collector only (149 MiB per rank at hidden 512, 152k vocabulary).
         gc.collect()
+
+
+def fp32_build_config(ds_config: dict) -> dict:
+    """The DeepSpeed config `zero.Init` builds with: the job's, with bf16 and fp16 off, so that DeepSpeed derives
+    fp32 partitions from the config itself (the engine casts later, as it does a whole model).
+
+    Why not `zero.Init(dtype=torch.float32)`: in deepspeed 0.19.8 an explicit dtype is read as `dtype or
+    torch.float16 if accelerator.is_fp16_supported() else torch.bfloat16 if ...` (operator precedence), so on a CPU
+    whose oneDNN has no fp16 (AMD EPYC) the explicit fp32 is dropped and the partitions come out bf16. With
+    `dtype=None` DeepSpeed takes the config's branch, which has no such slip."""
+    config = with_batch_size(ds_config)
+    for section in ("bf16", "fp16"):
+        config[section] = {**config.get(section, {}), "enabled": False}
+    return config
