@@ -3,10 +3,17 @@ build on, so the forwards of the loops (which keep the trainable engines in trai
 
 Checked by outputs, not by attributes: GPT-2 and OPT apply part of their dropout functionally with a float
 copied from the config, which zeroing nn.Dropout modules alone would miss. Then on real one-rank
-DeepSpeed runs of a GPT-2 (its config's dropouts are 0.1): grpo's first-minibatch ratio is exactly 1
-and its KL at step 1 exactly 0, online_ppo's first ratio exactly 1, DPO's implicit rewards exactly 0 at
-the first step; with `model.disable_dropout: false` none of these hold (so the tests can fail).
+DeepSpeed runs of a GPT-2 (its config's dropouts are 0.1): grpo's first-minibatch ratio is 1 and its KL
+at step 1 is 0, online_ppo's first ratio is 1, DPO's implicit rewards exactly 0 at the first step; with
+`model.disable_dropout: false` none of these hold (so the tests can fail).
+
+"Ratio 1" is within fp32 rounding, not bit for bit: the behaviour log-probs come from the rollout's forward
+over all 8 sequences and the loss's from a minibatch of 4, and a CPU may pick other matmul blocking for
+other batch shapes (an AMD EPYC with AVX-512 differs by 2.4e-7 where an Intel Xeon gives 0). Dropout left
+on moves them by more than 1e-3, four orders of magnitude above the 1e-5 allowed. DPO's policy and reference
+run the very same forward on the same batch, so its rewards stay exactly 0.
 """
+
 
 from __future__ import annotations
 
@@ -26,6 +33,8 @@ from astrai.rollout.sequences import masked_token_logprobs, response_logits
 from astrai.trainer import train_offline, train_online
 from tests.conftest import REPO
 
+# fp32 log-probs of a 2-layer model through two batch shapes: a few ulps of |logprob| ~ 3 (~2e-7 each).
+SAME_FORWARD_ATOL = 1e-5
 GPT2 = "{model_type: gpt2, n_embd: 32, n_layer: 2, n_head: 4, n_positions: 128}"  # dropouts: GPT2Config's 0.1
 COMMON = """\
 output_dir: {output_dir}
@@ -154,10 +163,11 @@ def test_grpo_ratio_one_and_kl_zero_at_the_first_step(one_rank, folder, disabled
     check_first_ratio(run, checks)
     train_online(run)
     if disabled:
-        assert checks == [0.0]  # ratio exactly 1
+        assert len(checks) == 1 and checks[0] < SAME_FORWARD_ATOL  # ratio 1 up to rounding
     else:
         assert checks[0] > 1e-3
-    # One minibatch per step: the only update of step 1 starts at the reference, so k3 is exactly 0.
+    # One minibatch per step: the only update of step 1 starts at the reference, so k3 is 0 up to rounding:
+    # k3(d) = e^d - 1 - d ~ d^2 / 2 for a log-prob difference d of rounding size (< 1e-5), so below 1e-10.
     single = f"grpo_single_{disabled}"
     run = make_run(
         one_rank,
@@ -170,7 +180,7 @@ def test_grpo_ratio_one_and_kl_zero_at_the_first_step(one_rank, folder, disabled
     )
     train_online(run)
     kl = first_record(folder, single)["kl"]
-    assert kl == 0.0 if disabled else kl > 1e-4
+    assert 0.0 <= kl < 1e-10 if disabled else kl > 1e-4
 
 
 @pytest.mark.parametrize("disabled", [True, False])
@@ -194,7 +204,8 @@ def test_online_ppo_first_ratio_is_one_and_the_critic_is_deterministic(one_rank,
     checks = []
     check_first_ratio(run, checks)
     train_online(run)
-    assert checks == [0.0] if disabled else checks[0] > 1e-3
+    assert len(checks) == 1
+    assert checks[0] < SAME_FORWARD_ATOL if disabled else checks[0] > 1e-3
 
 
 @pytest.mark.parametrize("disabled", [True, False])
