@@ -26,11 +26,14 @@ def _plot(argv: list[str]) -> int:
         "--metrics", default=None, help="comma-separated metric names to draw, in that order (default: every one)"
     )
     args = parser.parse_args(argv)
+    import logging
+
     from astrai.plot import plot_metrics
 
+    logging.basicConfig(format="astrai plot: %(levelname)s: %(message)s")  # a skipped torn line, say
     try:
         path = plot_metrics(args.output_dir, args.output, args.metrics.split(",") if args.metrics else None)
-    except (FileNotFoundError, ValueError) as error:
+    except (FileNotFoundError, ValueError) as error:  # MetricsError (a damaged line) is a ValueError
         print(f"astrai plot: {error}", file=sys.stderr)
         return 1
     print(path)

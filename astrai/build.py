@@ -150,6 +150,27 @@ def warmup_steps(job: JobConfig, steps: int) -> int:
     return round((job.train.warmup_ratio or 0.0) * steps)
 
 
+def warn_long_warmup(job: JobConfig, policy_steps: int) -> None:
+    """One warning when `train.warmup_steps` outlasts the policy's steps: the LR never reaches `train.lr`. A
+    warning, not a refusal: a recipe tried for a few steps (`--set train.max_steps=2`) keeps its warmup, and
+    such a run is valid, only not at full LR."""
+    warmup = job.train.warmup_steps
+    if warmup is None or warmup <= policy_steps:
+        return
+    length = f"train.max_steps: {job.train.max_steps}" if job.train.max_steps else f"train.epochs: {job.train.epochs}"
+    if job.train.max_steps and policy_steps != job.train.max_steps:
+        length += f" less critic.warmup_rollouts: {job.critic.warmup_rollouts}"
+    logger.warning(
+        "train.warmup_steps (%d) is longer than the run's %d steps (%s): the learning rate never reaches train.lr, "
+        "it peaks at %d/%d of it",
+        warmup,
+        policy_steps,
+        length,
+        policy_steps,
+        warmup,
+    )
+
+
 def build_critic(job: JobConfig, dist: DistInfo, source: str, tokenizer, steps: int, updates: int) -> Engine:
     """online_ppo's value model in its own engine: own ZeRO stage, AdamW (critic.lr, weight decay),
     LR schedule over every step's updates (warmup rollouts included) and gradient clipping."""
@@ -244,6 +265,8 @@ def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
     # The policy does not step during online_ppo's critic warmup rollouts, so its schedule spans the rest.
     updates = strategy.optimizer_steps_per_step(dist.world_size)
     policy_steps = steps - (job.critic.warmup_rollouts if "critic" in strategy.engine_parts else 0)
+    if dist.is_main:
+        warn_long_warmup(job, policy_steps)
     schedule = lr_lambda(
         policy_steps * updates, warmup_steps(job, policy_steps) * updates, job.train.lr_schedule, job.train.min_lr_ratio
     )

@@ -50,6 +50,7 @@ def check_job_parts(job, config_path: str, world_size: int) -> None:
     from astrai.build import engine_config
     from astrai.config import ConfigError
     from astrai.config.schema import known_log_level
+    from astrai.data.sources import DataError, empty_files
     from astrai.engine.ds_config import DeepSpeedConfigError, check_ds_config
     from astrai.models.lora import check_lora_job
     from astrai.models.policy import check_model_config
@@ -77,7 +78,17 @@ def check_job_parts(job, config_path: str, world_size: int) -> None:
             check_ds_config(config, f"the DeepSpeed config ({' + '.join(sources) or 'defaults'})")
     except DeepSpeedConfigError as error:
         raise ConfigError(f"{config_path}: {error}") from None
-    problem = check_model_config(job.model) or check_lora_job(job) or missing_tracker(job.runtime)
+    for key, path in (("data.path", job.data.path), ("eval.data_path", job.eval.data_path if job.eval else None)):
+        try:
+            empty = empty_files(path) if path is not None else []
+        except DataError as error:
+            raise ConfigError(f"{config_path}: {error}") from None
+        if empty:  # datasets' own message for one names neither the file nor the reason
+            more = f" (and {len(empty) - 1} more empty files)" if len(empty) > 1 else ""
+            raise ConfigError(f"{config_path}: {key}: {empty[0]} is empty: it holds no rows{more}")
+    backend = job.runtime.environment.get("ASTR_BACKEND", os.environ.get("ASTR_BACKEND"))
+    backend = "" if backend is None else str(backend)  # exported as apply_environment does
+    problem = check_model_config(job.model, backend) or check_lora_job(job) or missing_tracker(job.runtime)
     if problem:
         raise ConfigError(f"{config_path}: {problem}")
     reward = job.reward

@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 
+from astrai.errors import AstraiError
 from astrai.safe_write import write_file_atomic
 
 logger = logging.getLogger("astrai.metrics")
@@ -40,8 +41,38 @@ def trim_metrics(path: Path, last_step: int) -> int:
     return dropped
 
 
-def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+class MetricsError(AstraiError, ValueError):
+    """A metrics.jsonl line that is not a record; the message names the file and the line."""
+
+
+def read_metrics(path: Path, skip_torn_last: bool = False) -> list[dict]:
+    """The records of a metrics.jsonl. A line that is not a JSON object with a numeric `step` is a MetricsError
+    naming file:line, except, with `skip_torn_last`, the last line: a run killed while writing it leaves it
+    torn (as `trim_metrics` expects on resume), so it is skipped with one warning naming file:line."""
+    lines = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
+    last = max((number for number, line in enumerate(lines, 1) if line.strip()), default=0)
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not _is_step(record.get("step")):
+                raise ValueError("not a record with a numeric `step`")
+        except ValueError as error:  # json.JSONDecodeError is a ValueError
+            reason = f"{error.msg} (column {error.colno})" if isinstance(error, json.JSONDecodeError) else str(error)
+            if skip_torn_last and number == last:
+                logger.warning(
+                    "%s:%d: skipped the damaged last line (a run stopped writing it?): %s", path, number, reason
+                )
+                break
+            raise MetricsError(f"{path}:{number}: damaged metrics line: {reason}") from None
+        records.append(record)
+    return records
+
+
+def _is_step(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class MetricsLog:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import resource
 import sys
@@ -331,6 +332,22 @@ def render_table(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def positive(kind: type):
+    """An argparse type: a number of `kind` above zero (a rank count of 0 divides by zero further on)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}") from None
+        if not 0 < value < math.inf:  # also refuses nan
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
+        return value
+
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
 def plan_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m astrai plan",
@@ -344,11 +361,11 @@ def plan_main(argv: list[str]) -> int:
         metavar="KEY.PATH=VALUE",
         help="override a key, as train.py",
     )
-    parser.add_argument("--nodes", type=int, default=1)
-    parser.add_argument("--gpus-per-node", type=int, default=1, help="ranks per node")
+    parser.add_argument("--nodes", type=positive(int), default=1, help="nodes (a positive integer)")
+    parser.add_argument("--gpus-per-node", type=positive(int), default=1, help="ranks per node")
     parser.add_argument(
         "--gpu-memory-gib",
-        type=float,
+        type=positive(float),
         default=None,
         help="memory of one GPU (default: plan for host memory)",
     )

@@ -62,7 +62,7 @@ def plot_metrics(output_dir: str | Path, destination: str | Path | None = None, 
     source = output_dir / METRICS_FILE if output_dir.is_dir() else output_dir
     if not source.is_file():
         raise FileNotFoundError(f"no {METRICS_FILE} at {output_dir}")
-    series = numeric_series(read_metrics(source))
+    series = numeric_series(read_metrics(source, skip_torn_last=True))  # plotting a crashed run is the point
     if names:
         unknown = [name for name in names if name not in series]
         if unknown:

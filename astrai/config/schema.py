@@ -40,10 +40,12 @@ class LoraSection(Section):
         None,
         description="Names (or name suffixes, as PEFT matches them) of the linear modules to adapt. null: every linear "
         "layer inside the decoder blocks (not the lm_head), derived from the model. Names matching nothing are refused "
-        "before training, listing the model's linear modules.",
+        "before training, listing the model's linear modules; so is an empty list (give null for the default).",
     )
     modules_to_save: list[str] | None = Field(
-        None, description="Modules trained fully beside the adapter and saved with it (e.g. `lm_head`, `embed_tokens`)."
+        None,
+        description="Modules trained fully beside the adapter and saved with it (e.g. `lm_head`, `embed_tokens`); "
+        "names (or name suffixes) matching no module of the model are refused before training.",
     )
     use_rslora: bool = Field(False, description="Rank-stabilised LoRA: scale by alpha / sqrt(r).")
     use_dora: bool = Field(False, description="DoRA: weight-decomposed LoRA (a trained magnitude per output).")
@@ -54,6 +56,16 @@ class LoraSection(Section):
         "base: for tests). Initialisations that rewrite the base weights (PiSSA, OLoRA) are not offered: the base must "
         "stay the reference and what the checkpoint's base-model hash names.",
     )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_target_modules(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and not value:  # was read as null (every linear layer): say which is meant
+            raise ValueError(
+                "an empty list adapts no module: name the modules (e.g. [q_proj, v_proj]), or leave the key out "
+                "(null) for every linear layer inside the decoder blocks"
+            )
+        return value
 
 
 class ModelConfig(Section):
@@ -71,7 +83,8 @@ class ModelConfig(Section):
     attn_implementation: str | None = Field(
         None,
         description="Attention kernel handed to transformers (`sdpa`, `eager`, `flash_attention_2`). Env ASTR_BACKEND "
-        "overrides.",
+        "overrides. A name this transformers does not offer, whose package is not installed, or that the model does "
+        "not support is refused before training.",
     )
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     zero3_init: bool = Field(
@@ -214,7 +227,7 @@ class TrainConfig(Section):
         None,
         ge=0,
         description="Linear warmup steps (exclusive with `warmup_ratio`). Online types count steps in rollouts, as "
-        "`max_steps`.",
+        "`max_steps`. A warmup longer than the run is warned about, once: the learning rate never reaches `lr`.",
     )
     warmup_ratio: float | None = Field(None, ge=0, le=1, description="Warmup as a fraction of the total steps.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (not applied to biases and norms).")

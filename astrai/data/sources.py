@@ -39,6 +39,18 @@ def find_files(path: str) -> list[Path]:
     return files
 
 
+def is_empty(file: Path) -> bool:
+    """Whether `file` holds no rows: no bytes, or (JSON) only whitespace. datasets says nothing useful of
+    one ("cannot read as json: " with an empty reason)."""
+    size = file.stat().st_size
+    return size == 0 or (file.suffix in (".json", ".jsonl") and size <= 1 << 16 and not file.read_bytes().strip())
+
+
+def empty_files(path: str) -> list[Path]:
+    """The data files `path` names that hold no rows."""
+    return [file for file in find_files(path) if is_empty(file)]
+
+
 @dataclass
 class Rows:
     """The raw rows of every file, concatenated, with enough bookkeeping to name a row's file."""
@@ -60,6 +72,8 @@ def load_rows(path: str, file_format: str, cache_dir: Path, skip_bad: bool = Fal
     parts, starts, total = [], [], 0
     for file in files:
         builder = BUILDERS[file.suffix] if file_format == "auto" else file_format
+        if is_empty(file):
+            raise DataError(f"{file}: the file is empty: no rows to read")
         source = file
         if builder == "json":
             source = utf8_rows_of(file, cache_dir, skip_bad)

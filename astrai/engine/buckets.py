@@ -56,8 +56,12 @@ def size_buckets(zero: dict, hidden_size: int | None) -> dict:
     of its stage that is missing or "auto" derived from `hidden_size`, and any other "auto" bucket key too
     (a template's stage-3 keys on a stage-0 run). Without a hidden size, "auto" keys get DeepSpeed's
     defaults. Numbers the user wrote are kept."""
+    try:
+        stage = int(zero.get("stage", 0))
+    except (TypeError, ValueError):  # not a stage ("bogus", a list): check_ds_config refuses it, naming the key
+        stage = -1  # no stage's buckets
     if hidden_size:
-        for key, value in derived_bucket_sizes(hidden_size, int(zero.get("stage", 0))).items():
+        for key, value in derived_bucket_sizes(hidden_size, stage).items():
             zero.setdefault(key, value)
         every = derived_bucket_sizes(hidden_size)
     else:

@@ -73,11 +73,22 @@ def check_ds_config(config: dict, origin: str) -> None:
     except ValidationError as error:
         item = error.errors()[0]
         key = ".".join([SECTION_OF_MODEL.get(error.title, error.title), *map(str, item["loc"])])
-        raise DeepSpeedConfigError(f"{origin}: {key}: {item['msg']} (got {item.get('input')!r})") from None
+        raise DeepSpeedConfigError(f"{origin}: {key}: {error_message(item)} (got {item.get('input')!r})") from None
     except (TypeError, ValueError, AssertionError, KeyError, AttributeError) as error:
         raise DeepSpeedConfigError(f"{origin}: DeepSpeed refuses the config: {error}") from None
     finally:
         deepspeed_logger.setLevel(level)
+
+
+def error_message(item: dict) -> str:
+    """pydantic's message for one error, with an enum's allowed values listed once: DeepSpeed's ZeroStageEnum
+    has an alias (`max_stage = 3`), which pydantic lists as "0, 1, 2, 3 or 3"."""
+    expected = item.get("ctx", {}).get("expected")
+    if item["type"] != "enum" or not isinstance(expected, str):
+        return item["msg"]
+    head, _, last = expected.rpartition(" or ")
+    values = list(dict.fromkeys([*filter(None, head.split(", ")), last]))
+    return "Input should be " + (f"{', '.join(values[:-1])} or {values[-1]}" if len(values) > 1 else values[0])
 
 
 def effective_zero_stage(requested: int, world_size: int, offloaded: bool, keep: bool) -> int:

@@ -78,8 +78,24 @@ def unmatched_targets(model: torch.nn.Module, targets: list[str]) -> list[str]:
     return [target for target in targets if not any(name == target or name.endswith("." + target) for name in names)]
 
 
+def unmatched_modules_to_save(model: torch.nn.Module, names: list[str]) -> list[str]:
+    """Entries of `names` that match no module of `model` by PEFT's rule for modules_to_save (a module's full
+    name ends with the entry), so PEFT would train nothing for them, silently."""
+    modules = [name for name, _ in model.named_modules(remove_duplicate=False) if name]
+    return [target for target in names if not any(name.endswith(target) for name in modules)]
+
+
 def check_targets(model: torch.nn.Module, settings, key: str) -> None:
-    """Refuse target_modules that match nothing, listing the model's linear modules (one line)."""
+    """Refuse target_modules and modules_to_save that match nothing, listing the model's modules (one line)."""
+    unknown = unmatched_modules_to_save(model, settings.modules_to_save or [])
+    if unknown:
+        children = [name for name, _ in model.named_children()]
+        parts = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules() if name}
+        leaves = sorted(part for part in parts if not part.isdigit())  # a block's index in its list names no kind
+        raise LoraError(
+            f"{key}.modules_to_save: {unknown} match no module of {type(model).__name__}; its modules are named "
+            f"{leaves} (top level: {children})"
+        )
     if settings.target_modules is None:
         default_target_modules(model)  # raises when the blocks hold no linear layer
         return
@@ -101,7 +117,7 @@ def peft_config(model: torch.nn.Module, settings):
         r=settings.r,
         lora_alpha=settings.alpha,
         lora_dropout=settings.dropout,
-        target_modules=settings.target_modules or default_target_modules(model),
+        target_modules=default_target_modules(model) if settings.target_modules is None else settings.target_modules,
         modules_to_save=settings.modules_to_save,
         use_rslora=settings.use_rslora,
         use_dora=settings.use_dora,

@@ -15,6 +15,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from astrai.errors import AstraiError
+from astrai.models.attention import attention_problem
 
 logger = logging.getLogger("astrai.models")
 
@@ -52,7 +53,11 @@ def build_policy(model_config, tokenizer: PreTrainedTokenizerBase, seed: int) ->
         except CONFIG_ERRORS as error:
             raise ModelError(f"model.init: {last_line(error)}") from None
         torch.manual_seed(seed)  # every rank builds the same initial weights
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **extra)
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, **extra)
+        except ImportError as error:  # an attention implementation that cannot run here (no GPU for flash_attn)
+            where = "ASTR_BACKEND" if os.environ.get("ASTR_BACKEND") else "model.attn_implementation"
+            raise ModelError(f"{where}: {attention!r}: {last_line(error)}") from None
     else:
         model = load_causal_lm(model_config.path, **extra)
     rows = embedding_rows(model)
@@ -153,9 +158,11 @@ def last_line(error: Exception) -> str:
     return lines[-1] if lines else type(error).__name__
 
 
-def check_model_config(model_config) -> str | None:
-    """What is wrong with `model.init` or `model.path`'s config.json, found without building the model
-    (so before any rank starts); None when nothing is. The message starts with the key it names."""
+def check_model_config(model_config, backend: str | None = None) -> str | None:
+    """What is wrong with `model.init` or `model.path`'s config.json, or with the attention implementation
+    for it (`backend`: ASTR_BACKEND as the job's ranks will see it, which wins over `model.attn_implementation`),
+    found without building the model (so before any rank starts); None when nothing is. The message starts
+    with the key it names."""
     if model_config.init is not None:
         settings = dict(model_config.init)
         model_type = settings.pop("model_type")
@@ -172,7 +179,12 @@ def check_model_config(model_config) -> str | None:
             config = AutoConfig.from_pretrained(str(model_config.path), local_files_only=True)
         except (OSError, *CONFIG_ERRORS) as error:
             return f"{where}: {last_line(error)}"
-    return _architecture_problem(config, where)
+    problem = _architecture_problem(config, where)
+    attention = backend or model_config.attn_implementation
+    if problem is None and attention:
+        key = "ASTR_BACKEND (runtime.environment or the shell)" if backend else "model.attn_implementation"
+        problem = attention_problem(attention, config, key)
+    return problem
 
 
 def _architecture_problem(config, where: str) -> str | None:
@@ -215,7 +227,7 @@ def load_causal_lm(path: str | Path, **kwargs) -> PreTrainedModel:
     except SafetensorError as error:
         file = unreadable_weights(Path(path)) or path
         raise ModelError(f"model.path: {file}: cannot read the weights: {error}") from None
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, ImportError) as error:  # ImportError: an attention implementation not runnable here
         raise ModelError(f"model.path: cannot load {str(path)!r}: {error}") from None
 
 

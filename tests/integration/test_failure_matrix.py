@@ -9,10 +9,16 @@ Every case runs the real code path: `astrai.train.main(argv)` in this process (o
 store), and a real subprocess where the process boundary is the point (a read-only or full output
 folder in a mount namespace of its own; a launcher whose rendezvous port is taken). The table rows are
 counted by `test_the_matrix_counts_every_case`: CASES_TOTAL cases, 0 tracebacks, 0 silent.
+
+Issue #38 adds: what went to transformers or DeepSpeed unchecked (an attention implementation that does not
+exist or is not installed, a ZeRO stage that is not a number), LoRA settings that trained silently (an empty
+`target_modules`, a `modules_to_save` naming no module), an empty data file, a warmup longer than the run (a
+warning: the run is valid), and `python -m astrai plot` on a damaged metrics.jsonl (file and line named).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -57,9 +63,11 @@ class Case:
     code: int
     files: dict[str, str] = field(default_factory=dict)
     job_suffix: str = ""
+    skip: str = ""  # why this machine cannot show the case (a package installed that the case needs absent)
 
 
 TEMPLATE = ["deepspeed.config={folder}/ds.json"]
+FLASH_ATTN_INSTALLED = importlib.util.find_spec("flash_attn") is not None
 CONFIG_CASES = [
     Case("ds_config_invalid_json", TEMPLATE, "ds.json:1: not valid JSON", 2, {"ds.json": "{stage: 2"}),
     Case("ds_config_a_list", TEMPLATE, "ds.json: a DeepSpeed config must be a JSON object", 2, {"ds.json": "[1, 2]"}),
@@ -86,7 +94,13 @@ CONFIG_CASES = [
     Case(
         "overrides_zero_stage_7",
         ["deepspeed.overrides={zero_optimization: {stage: 7}}"],
-        "(deepspeed.overrides): zero_optimization.stage: Input should be 0, 1, 2, 3",
+        "(deepspeed.overrides): zero_optimization.stage: Input should be 0, 1, 2 or 3 (got 7)",
+        2,
+    ),
+    Case(
+        "overrides_zero_stage_not_an_integer",
+        ["deepspeed.overrides={zero_optimization: {stage: bogus}}"],
+        "(deepspeed.overrides): zero_optimization.stage: Input should be 0, 1, 2 or 3 (got 'bogus')",
         2,
     ),
     Case("lr_nan", ["train.lr=.nan"], "train.lr: Input should be a finite number", 2),
@@ -144,6 +158,39 @@ CONFIG_CASES = [
         "cpu_adam needs deepspeed.offload_optimizer: cpu",
         2,
     ),
+    Case(
+        "attn_implementation_unknown",
+        ["model.attn_implementation=bogus"],
+        "model.attn_implementation: 'bogus' is not an attention implementation of transformers",
+        2,
+    ),
+    Case(
+        "attn_implementation_unknown_in_environment",
+        ["runtime.environment={ASTR_BACKEND: bogus}"],
+        "ASTR_BACKEND (runtime.environment or the shell): 'bogus' is not an attention implementation",
+        2,
+    ),
+    Case(
+        "attn_implementation_not_installed",
+        ["model.attn_implementation=flash_attention_2"],
+        "model.attn_implementation: 'flash_attention_2' is not installed here: its package (flash-attn) is not "
+        "installed (usable here: eager, ",
+        2,
+        skip="flash-attn is installed here" if FLASH_ATTN_INSTALLED else "",
+    ),
+    Case(
+        "lora_target_modules_empty",
+        ["model.lora={target_modules: []}"],
+        "model.lora.target_modules: an empty list adapts no module: name the modules",
+        2,
+    ),
+    Case(
+        "lora_modules_to_save_unknown",
+        ["model.lora={modules_to_save: [lm_head, bogus_head]}"],
+        "model.lora.modules_to_save: ['bogus_head'] match no module of LlamaForCausalLM; its modules are named [",
+        2,
+    ),
+    Case("data_file_empty", [], "data.jsonl is empty: it holds no rows", 2, {"data.jsonl": ""}),
 ]
 
 
@@ -193,6 +240,8 @@ def assert_one_clear_line(output: str, fragment: str, code: int) -> str:
 
 @pytest.mark.parametrize("case", CONFIG_CASES, ids=[case.id for case in CONFIG_CASES])
 def test_a_bad_job_stops_before_any_rank_with_one_line(case, folder, capfd):
+    if case.skip:
+        pytest.skip(case.skip)
     config = write_case(folder, case)
     code, output = run_main(config, [item.replace("{folder}", str(folder)) for item in case.overrides], capfd)
     assert code == case.code, output[-3000:]
@@ -335,7 +384,58 @@ def test_a_single_rank_run_listens_only_on_loopback(folder):
     assert all(address.startswith(LOOPBACK) for address in sockets), f"listening beyond the loopback: {sockets}"
 
 
+def test_warmup_longer_than_the_run_is_warned_once(folder, capfd):
+    """A warmup past the last step trains, never at full LR: one WARNING naming the key and both numbers (a
+    warning, not a refusal: a recipe tried for a few steps with `--set train.max_steps=2` keeps its warmup)."""
+    code, output = run_main(write_case(folder, Case("", [], "", 0)), ["train.warmup_steps=5"], capfd)
+    assert code == 0, output[-3000:]
+    assert "Traceback" not in output
+    warnings = [line for line in output.splitlines() if "train.warmup_steps" in line]
+    assert len(warnings) == 1, warnings
+    assert " WARNING " in warnings[0], warnings
+    assert "train.warmup_steps (5) is longer than the run's 2 steps (train.max_steps: 2)" in warnings[0]
+    assert "never reaches train.lr" in warnings[0]
+
+
 # ----------------------------------------------------------------------------- runtime, real processes
+
+
+def write_metrics(folder: Path, damage: str) -> Path:
+    """metrics.jsonl of 5 steps, with a line torn by a crash at the end or a damaged line in the middle."""
+    records = [json.dumps({"step": step, "loss": 1.0 / step}) + "\n" for step in range(1, 6)]
+    if damage == "last":
+        records.append('{"step": 6, "lo')  # the write a killed run did not finish
+    else:
+        records.insert(2, "garbage\n")
+    (folder / "metrics.jsonl").write_text("".join(records))
+    return folder / "metrics.jsonl"
+
+
+def test_plot_skips_a_torn_last_line_naming_it(tmp_path):
+    """A crashed run leaves its last line half written: the curves are still drawn, with one warning naming
+    the file and the line (the resume's trim_metrics drops such a line too)."""
+    metrics = write_metrics(tmp_path, "last")
+    command = [python(), "-m", "astrai", "plot", str(tmp_path), "-o", str(tmp_path / "c.png")]
+    finished = run_bounded(command, timeout=300, cwd=REPO, env=child_env())
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert (tmp_path / "c.png").is_file()
+    warnings = [line for line in finished.stderr.splitlines() if line.startswith("astrai plot:")]
+    assert warnings == [
+        f"astrai plot: WARNING: {metrics}:6: skipped the damaged last line (a run stopped writing it?): "
+        "Unterminated string starting at (column 13)"
+    ], finished.stderr[-3000:]
+
+
+def test_plot_names_a_damaged_line_in_the_middle(tmp_path):
+    """A damaged line before the last is no crash's doing: refused, naming file and line, nothing drawn."""
+    metrics = write_metrics(tmp_path, "middle")
+    command = [python(), "-m", "astrai", "plot", str(tmp_path), "-o", str(tmp_path / "c.png")]
+    finished = run_bounded(command, timeout=300, cwd=REPO, env=child_env())
+    assert finished.returncode == 1, finished.stderr[-3000:]
+    assert "Traceback" not in finished.stderr
+    errors = [line for line in finished.stderr.splitlines() if line.startswith("astrai plot:")]
+    assert errors == [f"astrai plot: {metrics}:3: damaged metrics line: Expecting value (column 1)"], errors
+    assert not (tmp_path / "c.png").exists()
 
 
 def can_mount() -> bool:
@@ -408,6 +508,9 @@ RUNTIME_CASES = [
     "output_dir_read_only",
     "output_dir_full",
     "rendezvous_port_taken",
+    "warmup_longer_than_run_warned",
+    "plot_torn_last_line_skipped",
+    "plot_damaged_line_named",
 ]
 CASES_TOTAL = len(CONFIG_CASES) + len(RUNTIME_CASES)
 
@@ -415,4 +518,4 @@ CASES_TOTAL = len(CONFIG_CASES) + len(RUNTIME_CASES)
 def test_the_matrix_counts_every_case():
     """N cases, each asserting exit code, one line, no traceback and nothing lost; ids unique."""
     ids = [case.id for case in CONFIG_CASES] + RUNTIME_CASES
-    assert len(set(ids)) == len(ids) == CASES_TOTAL == 33
+    assert len(set(ids)) == len(ids) == CASES_TOTAL == 43

@@ -49,6 +49,15 @@ def test_unreadable_file_and_empty_path_are_named(tmp_path):
         find_files(str(tmp_path / "nothing*"))
 
 
+@pytest.mark.parametrize("name, content", [("empty.jsonl", b""), ("blank.jsonl", b"\n  \n"), ("empty.parquet", b"")])
+def test_an_empty_file_is_named_as_empty(tmp_path, name, content):
+    """datasets' own error for one is `cannot read as json: ` with an empty reason."""
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(DataError) as raised:
+        load_rows(str(tmp_path / name), "auto", tmp_path / "cache")
+    assert str(raised.value) == f"{tmp_path / name}: the file is empty: no rows to read"
+
+
 JOB = """\
 output_dir: {output_dir}
 model:

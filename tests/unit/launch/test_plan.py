@@ -248,6 +248,28 @@ def test_a_bad_job_fails_as_train_py_does(tmp_path, capsys):
     assert planned in trained.stderr  # the same message, word for word
 
 
+@pytest.mark.parametrize(
+    "option, value, kind",
+    [
+        ("--nodes", "0", "int"),
+        ("--nodes", "-1", "int"),
+        ("--gpus-per-node", "0", "int"),
+        ("--gpus-per-node", "two", "int"),
+        ("--gpu-memory-gib", "0", "float"),
+        ("--gpu-memory-gib", "nan", "float"),
+        ("--gpu-memory-gib", "inf", "float"),
+    ],
+)
+def test_a_size_that_is_not_positive_is_refused_in_one_line(tmp_path, capsys, option, value, kind):
+    """`--nodes 0` was a ZeroDivisionError deep in the plan; argparse refuses it now, naming the option."""
+    config = write_job(tmp_path)
+    with pytest.raises(SystemExit) as raised:
+        plan_main(["--config", str(config), option, value])
+    assert raised.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert errors == [f"python -m astrai plan: error: argument {option}: expected a positive {kind}, got {value!r}"]
+
+
 def test_lora_plans_optimizer_state_for_the_adapter_and_no_reference(tmp_path):
     """online_ppo with model.lora and critic.lora: gradients, master weights and moments scale with the adapters
     (the critic's value head included), the policy is its own reference and samples in place under ZeRO-3."""

@@ -14,7 +14,6 @@ on moves them by more than 1e-3, four orders of magnitude above the 1e-5 allowed
 run the very same forward on the same batch, so its rewards stay exactly 0.
 """
 
-
 from __future__ import annotations
 
 import json
