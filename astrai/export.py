@@ -537,8 +537,8 @@ def export_finished_run(job) -> Path:
     Not re-verified, the one exception to "export reads only verified checkpoints": this process has
     just published that checkpoint (files hashed into its manifest, then renamed into place), so hashing
     it again would re-read what it wrote seconds ago and add minutes to every large run. A relaunch of a
-    finished run trains no step and exports the checkpoint it resumed from instead; that one is
-    re-hashed on load only with `checkpoint.verify_on_load: true` (docs/guides/export.md).
+    finished run trains no step and exports the checkpoint it resumed from instead; the files its resume
+    loaded were compared with the manifest as they loaded (`checkpoint.verify_on_load`, on by default).
     """
     from astrai.checkpoint import find_latest
 

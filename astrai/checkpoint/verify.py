@@ -6,7 +6,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,12 +72,20 @@ def check_folder_step(checkpoint_dir: Path, manifest: Manifest) -> None:
         )
 
 
-def verify_checkpoint(checkpoint_dir: Path, *, hash_threads: int | None = None, digests: bool = True) -> VerifyReport:
+def verify_checkpoint(
+    checkpoint_dir: Path,
+    *,
+    hash_threads: int | None = None,
+    digests: bool = True,
+    hash_later: Collection[str] = (),
+) -> VerifyReport:
     """Check every file of a checkpoint against its manifest; raise on the first bad file.
 
     Cheap checks run first over all files in sorted order (missing, unexpected extra file, not a
     regular file, wrong size), then digests and the pickle scan (both skipped with `digests=False`:
-    `verify --quick`), so a wrong size anywhere is reported before a wrong digest. A `step_<N>`
+    `verify --quick`), so a wrong size anywhere is reported before a wrong digest. `hash_later`: files
+    whose digests the caller compares as it reads them (`read_check`): sized and scanned here, not hashed
+    (`VerifyReport.files` and `bytes` count what was hashed). A `step_<N>`
     folder's manifest must say step N. The scan refuses a pickle (a torch file, or one embedded in
     JSON as base64) naming any global outside `pickles`' allow-lists: loading it would run code.
     Raises CheckpointVerifyError (LegacyCheckpointError when there is no manifest.json).
@@ -103,17 +111,18 @@ def verify_checkpoint(checkpoint_dir: Path, *, hash_threads: int | None = None, 
         if size != manifest.files[path].size:
             detail = f"{size} bytes on disk, {manifest.files[path].size} in the manifest"
             raise CheckpointVerifyError(checkpoint_dir, "wrong size", detail, path)
+    hashed = sorted(set(manifest.files) - set(hash_later)) if digests else []
     if digests:
         ordered = sorted(manifest.files)
         threads = hash_threads or default_hash_threads()
         try:
-            actual = hash_files(checkpoint_dir, ordered, manifest.hash_algorithm, threads=threads)
+            actual = hash_files(checkpoint_dir, hashed, manifest.hash_algorithm, threads=threads)
         except OSError as error:
             bad = Path(os.path.relpath(error.filename, checkpoint_dir)).as_posix() if error.filename else None
             raise CheckpointVerifyError(checkpoint_dir, "unreadable", str(error), bad) from error
         except CheckpointError as error:  # e.g. xxh3_128 without the xxhash package
             raise CheckpointVerifyError(checkpoint_dir, "bad manifest", str(error), MANIFEST_NAME) from error
-        for path in ordered:
+        for path in hashed:
             expected = manifest.files[path]
             if actual[path] != expected:
                 detail = f"{manifest.hash_algorithm} {actual[path].digest}, manifest says {expected.digest}"
@@ -122,8 +131,8 @@ def verify_checkpoint(checkpoint_dir: Path, *, hash_threads: int | None = None, 
     return VerifyReport(
         checkpoint=checkpoint_dir,
         step=manifest.step,
-        files=len(manifest.files),
-        bytes=manifest.total_bytes,
+        files=len(hashed) if digests else len(manifest.files),
+        bytes=sum(manifest.files[path].size for path in hashed) if digests else manifest.total_bytes,
         seconds=time.monotonic() - started,
         algorithm=manifest.hash_algorithm,
         digests_checked=digests,

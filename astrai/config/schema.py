@@ -322,7 +322,11 @@ class CheckpointConfig(Section):
     resume: str = Field(
         "auto", description="`auto`: newest valid checkpoint in output_dir; `never`: start fresh; or a checkpoint path."
     )
-    verify_on_load: bool = Field(False, description="Re-hash every file against the manifest before resuming.")
+    verify_on_load: bool = Field(
+        True,
+        description="Check every file a resume loads against the manifest's digest (shards hashed as they load, "
+        "the rest before); a mismatch falls back to the previous checkpoint. `false`: sizes only.",
+    )
     keep_best: KeepBest | None = Field(
         None,
         description="Keep the best checkpoint by an eval metric beside the newest `keep_last` (retention never deletes "

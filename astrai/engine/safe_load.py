@@ -16,7 +16,9 @@ allowed by name (`astrai.checkpoint.pickles.DEEPSPEED_GLOBALS`):
   (a base64 pickle), unpickled with only the few globals such a snapshot holds.
 
 A refused file raises `UnsafeCheckpointError` naming it and the globals; an unreadable one (truncated,
-corrupt) `CheckpointDamagedError`, which a resume answers by falling back to the previous checkpoint.
+corrupt) `CheckpointDamagedError`, which a resume answers by falling back to the previous checkpoint. So
+does a file whose bytes are not those its manifest recorded: during a resume's load (within
+`astrai.checkpoint.read_check.checking_reads`) each file `load_tensor_file` reads is hashed beside the read.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ from pathlib import Path
 
 import torch
 
-from astrai.checkpoint import CheckpointError
+from astrai.checkpoint import CheckpointError, CheckpointVerifyError
 from astrai.checkpoint.pickles import DEEPSPEED_GLOBALS, TENSOR_FILE_GLOBALS, PickleScanError, globals_of_file
+from astrai.checkpoint.read_check import read_checked
 
 _TORCH_LOAD = torch.load  # the real one, whatever `weights_only_torch_load` puts in its place meanwhile
 
@@ -79,9 +82,17 @@ def load_tensor_file(source, *, map_location=None, mmap: bool | None = None, **o
     """`torch.load(source, weights_only=True)` with DeepSpeed's data classes allowed; `source` a path or file object.
 
     Raises UnsafeCheckpointError when the file names anything else (naming the file and the globals),
-    CheckpointDamagedError when it cannot be read at all."""
+    CheckpointDamagedError when it cannot be read at all, or (within `read_check.checking_reads`, a
+    resume's load) when its bytes are not those its manifest recorded: hashed beside the read."""
     options.pop("pickle_module", None)  # weights-only loading brings its own unpickler
     options.pop("weights_only", None)
+    try:
+        return read_checked(source, lambda: _load_weights_only(source, map_location, mmap, options))
+    except CheckpointVerifyError as error:  # a wrong digest: damage, as an unreadable file is
+        raise CheckpointDamagedError(str(error)) from None
+
+
+def _load_weights_only(source, map_location, mmap: bool | None, options: dict):
     try:
         with torch.serialization.safe_globals(list(deepspeed_globals())):
             return _TORCH_LOAD(source, map_location=map_location, weights_only=True, mmap=mmap, **options)

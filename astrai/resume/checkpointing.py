@@ -32,6 +32,7 @@ from astrai.checkpoint import (
     verify_checkpoint,
 )
 from astrai.checkpoint.errors import CheckpointVerifyError
+from astrai.checkpoint.read_check import ReadCheck, checking_reads
 from astrai.checkpoint.verify import list_files, scan_pickles
 from astrai.config import dump_job, parse_yaml
 from astrai.engine import CheckpointDamagedError, UnsafeCheckpointError, all_gather_objects, barrier
@@ -39,7 +40,15 @@ from astrai.launcher_watch import leave_if_orphaned
 from astrai.metrics import METRICS_FILE, trim_metrics
 from astrai.models.lora import check_same_base, lora_checkpoint_meta
 from astrai.models.tokenizer import TOKENIZER_DIR, check_saved_tokenizer
-from astrai.resume.topology import continue_position, load_portable_part, resume_source
+from astrai.resume.topology import (
+    continue_position,
+    current_topology,
+    describe_change,
+    is_portable,
+    load_portable_part,
+    recorded_topology,
+    resume_source,
+)
 from astrai.rng_state import capture_rng, decode_rng, restore_rng
 
 logger = logging.getLogger("astrai.checkpointing")
@@ -84,26 +93,34 @@ def _field_type_ok(value, expected) -> bool:
 
 def read_trainer_state(path: Path) -> TrainerState:
     """trainer_state.json, every field checked against TrainerState's types and every RNG entry decoded
-    (old pickled ones converted, a pickle naming code refused): CheckpointError naming the file and the key."""
+    (old pickled ones converted). A file that is not such a state is damage (CheckpointDamagedError naming
+    the file and the key: a resume falls back to the previous checkpoint); a pickle naming code is refused
+    (UnsafeCheckpointError)."""
     try:
         document = json.loads(read_checkpoint_bytes(path))
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise CheckpointDamagedError(f"{path}: not valid JSON ({error})") from None
     if not isinstance(document, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(document).__name__}")
+        raise CheckpointDamagedError(f"{path}: expected a JSON object, got {type(document).__name__}")
     types = typing.get_type_hints(TrainerState)
     known = {item.name for item in fields(TrainerState)}
     for key, value in document.items():
         if key in known and not _field_type_ok(value, types[key]):
             expected = getattr(types[key], "__name__", types[key])
-            raise CheckpointError(f"{path}: {key} is {value!r} ({type(value).__name__}), expected {expected}")
+            detail = f"{key} is {value!r} ({type(value).__name__}), expected {expected}"
+            raise CheckpointDamagedError(f"{path}: {detail}")
         if key in known and isinstance(value, int) and not isinstance(value, bool) and value < 0:
-            raise CheckpointError(f"{path}: {key} is {value}, expected a count >= 0")
+            raise CheckpointDamagedError(f"{path}: {key} is {value}, expected a count >= 0")
     ignored = sorted(set(document) - known)
     if ignored:
         logger.warning("%s: ignoring keys this AstrAI does not know: %s", path, ", ".join(ignored))
     state = TrainerState(**{key: value for key, value in document.items() if key in known})
-    state.rng = [decode_rng(entry, path, rank) for rank, entry in enumerate(state.rng)]
+    try:
+        state.rng = [decode_rng(entry, path, rank) for rank, entry in enumerate(state.rng)]
+    except (UnsafeCheckpointError, CheckpointDamagedError):
+        raise
+    except CheckpointError as error:  # an entry that is not an RNG state: damage, as any invalid field
+        raise CheckpointDamagedError(str(error)) from None
     return state
 
 
@@ -366,7 +383,8 @@ class TrainingCheckpoints:
         """Load `path`; when it is damaged (found by the pre-load check or while loading, on any rank) and
         the job resumes `auto`, load the newest older checkpoint instead, with one warning naming both.
         Every rank takes the same decision (rank 0's check and every rank's load outcome are gathered).
-        Job errors (a pickle naming code, a model of other shapes, a bad trainer_state.json) never fall back."""
+        Damage: a file missing, of the wrong size or digest, unreadable, an invalid trainer_state.json.
+        Job errors (a pickle naming code, a model of other shapes, another train type) never fall back."""
         run, first_damage, candidate = self.run, None, path
         while candidate is not None:
             state, damage = self._attempt(candidate)
@@ -402,9 +420,11 @@ class TrainingCheckpoints:
             raise UnsafeCheckpointError(problem[1])  # a crafted file: refused, never skipped for an older checkpoint
         if problem is not None:
             return None, problem[1]
-        state, outcome, own_error = None, None, None
+        state, outcome, own_error, check = None, None, None, None
         try:
-            state = self._load(path)
+            check = self._read_check(path)
+            with checking_reads(check):
+                state = self._load(path)
         except (CheckpointDamagedError, OSError) as error:
             outcome = ("damaged", " ".join(str(error).split()))
         except Exception as error:  # a job error: reported to every rank, none may be left waiting in the gather below
@@ -419,22 +439,48 @@ class TrainingCheckpoints:
                 raise own_error  # its own class (TokenizerError, CheckpointShapeError, ...) and message
             raise CheckpointError(f"rank {rank}: {text}") from own_error
         damaged = [item[1] for item in outcomes if item]
+        if not damaged and check is not None and run.dist.is_main:
+            logger.info("%s: %d files (%d bytes) matched the manifest as they loaded", path, check.files, check.bytes)
         return (None, damaged[0]) if damaged else (state, None)
+
+    def hashed_while_loading(self, manifest) -> list[str]:
+        """The files of a checkpoint whose digests are compared as they load (checkpoint.verify_on_load): the
+        torch files DeepSpeed's own load reads. None of them for a portable checkpoint or a topology change:
+        those files are read by a conversion or as safetensors, so rank 0 hashes every file before loading."""
+        if not self.run.job.checkpoint.verify_on_load:
+            return []
+        if is_portable(manifest) or describe_change(recorded_topology(manifest), current_topology(self.run)):
+            return []
+        return sorted(path for path in manifest.files if path.endswith(".pt"))
+
+    def _read_check(self, path: Path) -> ReadCheck | None:
+        """What this rank compares while it loads `path` (read_check.py), or None."""
+        manifest = read_manifest(path)
+        later = self.hashed_while_loading(manifest) if manifest is not None else []
+        return ReadCheck(path, manifest, later) if later else None
 
     def _check_before_loading(self, path: Path) -> tuple[str, str] | None:
         """Rank 0's check of `path`, for every rank: against its manifest, the sizes, file types and step
-        (`verify --quick`, ~0 s) or, with checkpoint.verify_on_load, every digest too; then each pickle's
-        opcodes (a torch file's zip directory and data.pkl only, not its tensors): one that does not parse
-        (a truncated shard) is damage, one naming code is refused (UnsafeCheckpointError, raised).
-        Returns None, or ("damaged" | "unsafe", what is wrong)."""
+        (`verify --quick`, ~0 s); with checkpoint.verify_on_load (the default) the digests of every file
+        the ranks' load does not hash as it reads (`hashed_while_loading`: all but DeepSpeed's torch files);
+        then each pickle's opcodes (a torch file's zip directory and data.pkl only, not its tensors): one
+        that does not parse (a truncated shard) is damage, one naming code is refused
+        (UnsafeCheckpointError, raised). Returns None, or ("damaged" | "unsafe", what is wrong)."""
         digests = self.run.job.checkpoint.verify_on_load
         try:
             manifest = read_manifest(path)
             if manifest is not None:
-                report = verify_checkpoint(path, digests=digests)
+                later = self.hashed_while_loading(manifest)
+                report = verify_checkpoint(path, digests=digests, hash_later=later)
                 checked = "verified" if report.digests_checked else "checked the sizes of"
                 logger.info(
-                    "%s %s: %d files, %d bytes in %.2f s", checked, path, report.files, report.bytes, report.seconds
+                    "%s %s: %d files, %d bytes in %.2f s%s",
+                    checked,
+                    path,
+                    report.files,
+                    report.bytes,
+                    report.seconds,
+                    f" ({len(later)} torch files are hashed as they load)" if later else "",
                 )
             if manifest is None or not digests:  # a full verify scanned the pickles already
                 scan_pickles(path, manifest.files if manifest is not None else list_files(path))

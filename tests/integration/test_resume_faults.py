@@ -12,9 +12,9 @@ One module fixture runs, in order, on one output_dir (every run a fresh process,
 3. A run with `resume: never` into the same output_dir (its metrics.jsonl moved aside first): the
    straight reference. The killed-and-resumed log must equal it step by step, `lr` included
    (`lr_schedule: linear`, `warmup_steps: 3`: a schedule that restarted at a resume would show).
-4. A run with `verify_on_load: true` after one byte of the newest checkpoint was flipped: the re-hash
-   finds it before any file is loaded, and the run falls back to the previous checkpoint (one warning
-   naming both) and trains on, republishing the damaged step.
+4. A run with the default settings after one byte of the newest checkpoint's largest shard was flipped:
+   the shard is hashed as it loads (checkpoint.verify_on_load, on by default), and the run falls back to the
+   previous checkpoint (one warning naming both) and trains on, republishing the damaged step.
 A kill -9 keeps the page cache, so this checks atomicity, cleanup and exact resume, not durability.
 Tolerance: one rank, CPU fp32, the same kernels in the same order: losses agree to 1e-6 relative.
 """
@@ -207,7 +207,7 @@ def history(tmp_path_factory):
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
-    fallback_code, fallback_log = job.run("checkpoint.verify_on_load=true", f"train.max_steps={MAX_STEPS + 3}")
+    fallback_code, fallback_log = job.run(f"train.max_steps={MAX_STEPS + 3}")  # digests checked by default
     return {
         "job": job,
         "kills": kills,
@@ -267,7 +267,7 @@ def test_resume_never_starts_fresh_and_killed_runs_equal_the_straight_run(histor
     assert history["before_fallback"]["hidden"] == []
 
 
-def test_verify_on_load_finds_a_flipped_byte_and_falls_back_to_the_previous_checkpoint(history):
+def test_a_flipped_byte_is_found_by_default_and_falls_back_to_the_previous_checkpoint(history):
     job = history["job"]
     code, log, bad_file, checkpoint = history["fallback"]
     assert code == 0, log[-3000:]
