@@ -77,6 +77,9 @@ def _plan(argv: list[str]) -> int:
     return plan_main(argv)
 
 
+# The tools that load torch, transformers or DeepSpeed's formats: refused (one line) below pyproject.toml's floors.
+CHECKS_VERSIONS = {"export-hf", "launch", "convert", "plan"}
+
 TOOLS = {
     "plot": _plot,
     "verify": _verify,
@@ -93,6 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in TOOLS:
         print(__doc__.strip(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv[0] in CHECKS_VERSIONS:
+        from astrai.versions import VersionError, check_versions
+
+        try:
+            check_versions()
+        except VersionError as error:
+            print(f"astrai {argv[0]}: {error}", file=sys.stderr)
+            return 1
     return TOOLS[argv[0]](argv[1:])
 
 

@@ -410,6 +410,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     from astrai.config import ConfigError, load_job
+    from astrai.versions import VersionError, check_versions
+
+    try:
+        check_versions()  # what astrai/train.py refuses, this refuses first
+    except VersionError as error:
+        print(f"astrai preflight: {error}", file=sys.stderr)
+        return 1
 
     try:
         job = load_job(args.config, args.set)  # with its paths: the data must be there on every node

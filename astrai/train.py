@@ -56,6 +56,13 @@ def apply_environment(environment: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from astrai.versions import VersionError, check_versions
+
+    try:
+        check_versions()  # before any rank works: a torch, deepspeed or transformers below pyproject.toml's floor
+    except VersionError as error:
+        print(f"astrai: {error}", file=sys.stderr)
+        return 1
     from astrai.launcher_watch import watch_launchers
 
     watch_launchers()  # a rank of DeepSpeed's launcher stops within seconds when that launcher is gone

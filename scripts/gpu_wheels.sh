@@ -8,8 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 # Missing there: deepspeed (+ hjson, pydantic and its parts), datasets (+ dill, multiprocess). Older there:
-# transformers (5.17; pyproject pins 5.24) and what 5.24 checks at import (regex); typing-extensions (pydantic-core
-# needs >= 4.16); peft and accelerate, so the device runs the versions the suite ran here.
+# transformers (5.17; constraints.txt pins 5.24, pyproject.toml's floor) and what 5.24 checks at import (regex);
+# typing-extensions (pydantic-core needs >= 4.16); peft and accelerate, so the device runs the versions the suite
+# ran here (this .venv's, which scripts/setup.sh installs from constraints.txt).
 PACKAGES=(hjson pydantic pydantic-core annotated-types typing-inspection typing-extensions datasets dill multiprocess
   transformers regex peft accelerate)
 pinned() { "$PY" -c "from importlib.metadata import version; print(version('$1'))"; }

@@ -117,7 +117,8 @@ def test_dockerignore_keeps_local_state_out_and_the_project_in():
 
     for path in (".venv", "runs", ".git", "__pycache__", ".pytest_cache", ".env.train", "astrai.egg-info"):
         assert ignored(path), path
-    for path in ("astrai", "scripts", "configs", "ds_configs", "data", "pyproject.toml", "README.md", "docker"):
+    project = ("astrai", "scripts", "configs", "ds_configs", "data", "docker", "pyproject.toml", "constraints.txt")
+    for path in (*project, "README.md"):
         assert not ignored(path), path
 
 
