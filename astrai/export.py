@@ -30,6 +30,7 @@ import torch
 
 from astrai import safe_write
 from astrai.errors import AstraiError
+from astrai.train_types import train_type_rules
 
 logger = logging.getLogger("astrai.export")
 
@@ -190,7 +191,7 @@ def critic_skeleton(job, tokenizer):
 def policy_skeleton(job, model, tokenizer):
     """The module the job's policy engine trained, from its causal LM skeleton: the model itself, or for `rm`
     its trunk under the scalar head (as `RewardModelStrategy.policy_module` builds it)."""
-    if job.train.train_type != "rm":
+    if not train_type_rules(job.train.train_type).reward_head:
         return model
     from astrai.models.reward import reward_model_of
 
@@ -322,11 +323,6 @@ def fsync_tree(folder: Path) -> None:
         for name in names:
             os.chmod(Path(directory) / name, 0o666 & ~umask)
     safe_write.fsync_tree(folder)
-
-
-def fsync_path(path: Path) -> None:
-    """A file's or a directory's data and entry on stable storage."""
-    safe_write.fsync_path(path)
 
 
 RUN_FOLDER_MARKERS = ("checkpoints", "metrics.jsonl", "job.yaml")  # what a training run writes into its output_dir
@@ -468,7 +464,7 @@ def export_checkpoint(
         with phase(bar, f"casting to {dtype}"):
             load_weights(model, prepare_state(state, model, DTYPES[dtype]), DTYPES[dtype])
         finish = None
-        if part == "policy" and job.train.train_type == "rm":  # a sequence classifier, and its reward statistics
+        if part == "policy" and train_type_rules(job.train.train_type).reward_head:  # a sequence classifier
             from astrai.reward_export import export_classifier
 
             model, finish = export_classifier(model, job, tokenizer)

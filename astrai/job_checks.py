@@ -55,6 +55,7 @@ def check_job_parts(job, config_path: str, world_size: int) -> None:
     from astrai.models.lora import check_lora_job
     from astrai.models.policy import check_model_config
     from astrai.rollout.rewards import RewardError, load_function
+    from astrai.strategies import strategy_class
     from astrai.trackers import missing_tracker
 
     level = job.runtime.environment.get("ASTR_LOG_LEVEL", os.environ.get("ASTR_LOG_LEVEL"))
@@ -65,8 +66,9 @@ def check_job_parts(job, config_path: str, world_size: int) -> None:
         raise ConfigError(f"{config_path}: ASTR_LOG_LEVEL (runtime.environment or the shell): {error}") from None
     sources = [f"template {job.deepspeed.config}"] * bool(job.deepspeed.config)
     sources += ["deepspeed.overrides"] * bool(job.deepspeed.overrides)
+    engine_parts = strategy_class(job.train.train_type).engine_parts
     try:
-        for zero_stage in (None, job.critic.zero_stage) if job.train.train_type == "online_ppo" else (None,):
+        for zero_stage in (None, job.critic.zero_stage) if "critic" in engine_parts else (None,):
             config = engine_config(
                 job,
                 config_path,
@@ -88,7 +90,8 @@ def check_job_parts(job, config_path: str, world_size: int) -> None:
             raise ConfigError(f"{config_path}: {key}: {empty[0]} is empty: it holds no rows{more}")
     backend = job.runtime.environment.get("ASTR_BACKEND", os.environ.get("ASTR_BACKEND"))
     backend = "" if backend is None else str(backend)  # exported as apply_environment does
-    problem = check_model_config(job.model, backend) or check_lora_job(job) or missing_tracker(job.runtime)
+    problem = check_model_config(job.model, backend) or check_lora_job(job, engine_parts)
+    problem = problem or missing_tracker(job.runtime)
     if problem:
         raise ConfigError(f"{config_path}: {problem}")
     reward = job.reward

@@ -20,7 +20,6 @@ import contextlib
 import json
 import math
 import os
-import resource
 import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -231,15 +230,17 @@ def checkpoint_bytes(parameters: int, stage: int, precision: str) -> int:
 
 
 def sequence_geometry(job) -> tuple[int, int]:
-    """(sequences per micro-batch, tokens per sequence): a dpo pair is two sequences; RL sequences are
-    prompt (<= data.max_seq_len) + response (<= rollout.max_new_tokens). data.packing, rl.packing: one packed
-    row of train.micro_batch_tokens."""
-    train_type = job.train.train_type
-    if job.data.packing or (job.rl.packing and train_type in ("grpo", "online_ppo")):
+    """(sequences per micro-batch, tokens per sequence): a dpo or rm pair is two sequences
+    (`Strategy.sequences_per_row`); RL sequences are prompt (<= data.max_seq_len) + response
+    (<= rollout.max_new_tokens). data.packing, rl.packing: one packed row of train.micro_batch_tokens."""
+    from astrai.strategies import strategy_class
+
+    strategy = strategy_class(job.train.train_type)
+    if job.data.packing or (job.rl.packing and strategy.rules.online):
         return 1, job.train.micro_batch_tokens
-    if train_type in ("grpo", "online_ppo"):
+    if strategy.rules.online:
         return job.train.micro_batch_size, job.data.max_seq_len + job.rollout.max_new_tokens
-    return job.train.micro_batch_size * (2 if train_type in ("dpo", "rm") else 1), job.data.max_seq_len
+    return job.train.micro_batch_size * strategy.sequences_per_row, job.data.max_seq_len
 
 
 def make_plan(job, source: str, world_size: int, gpu_memory_gib: float | None, host_memory: int | None = None) -> Plan:
@@ -247,7 +248,9 @@ def make_plan(job, source: str, world_size: int, gpu_memory_gib: float | None, h
     import torch
 
     from astrai.build import engine_config
+    from astrai.rollout.generation import generation_mode
     from astrai.strategies import strategy_class
+    from astrai.strategies.reference import reference_is_the_policy
 
     on_gpu = gpu_memory_gib is not None or torch.cuda.is_available()
     dtype = job.model.dtype
@@ -267,14 +270,11 @@ def make_plan(job, source: str, world_size: int, gpu_memory_gib: float | None, h
     plan = Plan(job.train.train_type, world_size, precision, stage, shape.parameters)
     plan.rows += engine_rows("policy", shape.parameters, ds_config, precision, world_size, shape.trainable)
     plan.checkpoint_bytes = checkpoint_bytes(shape.trainable or shape.parameters, stage, precision)
-    # A LoRA policy is its own reference (adapter disabled) and samples in place under ZeRO-3.
-    own_reference = job.model.lora is not None and job.model.reference_path is None
+    # The run's own answers: whether a reference is held while training (a LoRA policy is its own, adapter
+    # disabled) and where the rollout samples (a LoRA policy samples in place under ZeRO-3).
     strategy = strategy_class(job.train.train_type)
-    train_type = job.train.train_type
-    with_reference = (train_type == "dpo" and not job.dpo.precompute_reference) or (
-        train_type in ("grpo", "online_ppo") and job.rl.kl_coef > 0
-    )
-    if with_reference and not own_reference:  # a frozen engine: the policy's dtype, partitioned only under ZeRO-3
+    if strategy.keeps_reference(job) and not reference_is_the_policy(job):
+        # A frozen engine: the policy's dtype, partitioned only under ZeRO-3.
         reference = shape.parameters * weight_bytes // (world_size if stage == 3 else 1)
         plan.rows.append(Row("reference parameters", gpu=reference))
     if "critic" in strategy.engine_parts:
@@ -290,8 +290,8 @@ def make_plan(job, source: str, world_size: int, gpu_memory_gib: float | None, h
         plan.rows += engine_rows("critic", critic.parameters, critic_config, precision, world_size, critic.trainable)
         critic_stage = critic_config["zero_optimization"]["stage"]
         plan.checkpoint_bytes += checkpoint_bytes(critic.trainable or critic.parameters, critic_stage, precision)
-    copy = job.rollout.zero3_generation == "copy" and job.model.lora is None
-    if train_type in ("grpo", "online_ppo") and stage == 3 and copy:
+    copy = generation_mode(job.rollout.zero3_generation, job.model.lora is not None) == "copy"
+    if strategy.rules.online and stage == 3 and copy:
         # Engine.generation_module: a plain module of the policy's class and dtype, filled for the rollout.
         plan.rows.append(Row("ZeRO-3 generation copy", gpu=shape.parameters * weight_bytes))
     sequences, seq_len = sequence_geometry(job)
@@ -388,8 +388,3 @@ def plan_main(argv: list[str]) -> int:
     plan = make_plan(job, args.config, world_size, args.gpu_memory_gib)
     print(json.dumps(plan.to_json(), indent=2) if args.json else render_table(plan))
     return 0
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -14,6 +14,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator
 
+from astrai.train_types import train_type_rules, users_of
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 ENVIRONMENT_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")  # what a shell (and every launcher's env file) accepts
 
@@ -872,9 +874,7 @@ class RlConfig(Section):
 
     def kl_placement(self, train_type: str) -> str:
         """Where the KL to the reference goes for this train type: "reward" or "loss"."""
-        if train_type == "online_ppo":
-            return "reward" if self.kl_in_reward else "loss"
-        return "reward" if self.advantage_estimator == "reinforce_pp" else "loss"
+        return train_type_rules(train_type).kl_placement(self)
 
     def kl_kind(self, train_type: str) -> str:
         """rl.kl_estimator, or its default where it is null: k1 in the reward, k3 as a loss term."""
@@ -1066,35 +1066,32 @@ class JobConfig(Section):
 
     @model_validator(mode="after")
     def _packing_train_types(self) -> JobConfig:
-        train_type = self.train.train_type
-        if self.data.packing and train_type not in ("sft", "dpo"):
+        rules = train_type_rules(self.train.train_type)
+        train_type = rules.name
+        if self.data.packing and "data.packing" not in rules.options:
             raise ValueError(
-                f"`data.packing` is for sft and dpo, not {train_type}"
-                + (
-                    " (seq blocks have no padding; `data.document_mask` isolates their documents)"
-                    if train_type == "seq"
-                    else " (use `rl.packing`)"
-                )
+                f"`data.packing` is for {users_of('data.packing')}, not {train_type}{rules.data_packing_hint}"
             )
-        if self.data.document_mask and train_type != "seq":
-            raise ValueError(f"`data.document_mask` is for seq, not {train_type}")
-        if self.rl.packing and train_type not in ("grpo", "online_ppo"):
-            raise ValueError(f"`rl.packing` is for grpo and online_ppo, not {train_type} (use `data.packing`)")
+        if self.data.document_mask and "data.document_mask" not in rules.options:
+            raise ValueError(f"`data.document_mask` is for {users_of('data.document_mask')}, not {train_type}")
+        if self.rl.packing and "rl.packing" not in rules.options:
+            raise ValueError(f"`rl.packing` is for {users_of('rl.packing')}, not {train_type} (use `data.packing`)")
         if self.rl.share_prefix:
             self._check_share_prefix()
         if self.rm.share_prefix:
-            if train_type != "rm":
+            if "rm.share_prefix" not in rules.options:
                 raise ValueError(
-                    f"`rm.share_prefix` is for rm, not {train_type} (grpo and online_ppo: `rl.share_prefix`)"
+                    f"`rm.share_prefix` is for {users_of('rm.share_prefix')}, not {train_type} "
+                    f"({users_of('rl.share_prefix')}: `rl.share_prefix`)"
                 )
             self._refuse_checkpointing_with("rm.share_prefix")
         return self
 
     def _check_share_prefix(self) -> None:
-        """rl.share_prefix: grpo and online_ppo only; not with the packed forward nor with checkpointed layers."""
-        train_type = self.train.train_type
-        if train_type not in ("grpo", "online_ppo"):
-            raise ValueError(f"`rl.share_prefix` is for grpo and online_ppo, not {train_type}")
+        """rl.share_prefix: the online train types only; not with the packed forward nor with checkpointed layers."""
+        rules = train_type_rules(self.train.train_type)
+        if "rl.share_prefix" not in rules.options:
+            raise ValueError(f"`rl.share_prefix` is for {users_of('rl.share_prefix')}, not {rules.name}")
         if self.rl.packing:
             raise ValueError(
                 "`rl.share_prefix` with `rl.packing`: use one of them (each makes the scoring forward its own way)"
@@ -1116,7 +1113,8 @@ class JobConfig(Section):
 
     @model_validator(mode="after")
     def _online_sections(self) -> JobConfig:
-        if self.train.train_type not in ("grpo", "online_ppo"):
+        rules = train_type_rules(self.train.train_type)
+        if not rules.online:
             return self
         if self.reward is None:
             raise ValueError(
@@ -1125,17 +1123,7 @@ class JobConfig(Section):
             )
         if self.train.max_steps is None:
             raise ValueError("online train types count steps in rollouts: give `train.max_steps` (not `train.epochs`)")
-        estimator = self.rl.advantage_estimator
-        if self.train.train_type == "grpo" and estimator != "reinforce_pp" and self.rollout.group_size < 2:
-            raise ValueError(
-                f"grpo compares each response with the others of its group: `rollout.group_size` must be >= 2 "
-                f"with `rl.advantage_estimator: {estimator}` (only reinforce_pp has no group baseline)"
-            )
-        if self.train.train_type == "online_ppo" and self.critic.warmup_rollouts >= self.train.max_steps:
-            raise ValueError(
-                f"`critic.warmup_rollouts` ({self.critic.warmup_rollouts}) leaves no step of `train.max_steps` "
-                f"({self.train.max_steps}) to train the policy"
-            )
+        rules.check_sections(self)  # grpo's groups, online_ppo's critic warmup
         return self
 
     @field_validator("output_dir")
@@ -1148,25 +1136,9 @@ class JobConfig(Section):
     @model_validator(mode="after")
     def _rl_combinations(self) -> JobConfig:
         """RL options that cannot work together, named before any rank starts (docs/guides/rl.md)."""
-        train_type, rl = self.train.train_type, self.rl
-        if train_type not in ("grpo", "online_ppo"):
-            return self
-        estimator = rl.advantage_estimator
-        if train_type == "online_ppo" and estimator != "grpo":
-            raise ValueError(
-                f"`rl.advantage_estimator: {estimator}` is for `train.train_type: grpo`; online_ppo's advantages "
-                "are GAE with its critic"
-            )
-        kl_active = rl.kl_coef > 0 or rl.target_kl is not None
-        if kl_active and rl.kl_placement(train_type) == "loss" and rl.kl_kind(train_type) == "k1":
-            where = f"`rl.advantage_estimator: {estimator}`"
-            if train_type == "online_ppo":
-                where = "`rl.kl_in_reward: false`"
-            raise ValueError(
-                f"`rl.kl_estimator: k1` as a loss term ({where}) has zero expected gradient: use k3 or k2 there, "
-                "or put the KL in the reward (online_ppo: rl.kl_in_reward: true; grpo: rl.advantage_estimator: "
-                "reinforce_pp)"
-            )
+        rules = train_type_rules(self.train.train_type)
+        if rules.online:
+            rules.check_rl_options(self)
         return self
 
     @model_validator(mode="after")

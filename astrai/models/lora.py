@@ -269,14 +269,19 @@ def lora_checkpoint_meta(engines: dict) -> dict:
 # ----------------------------------------------------------------------------- checked before any rank starts
 
 
-def check_lora_job(job) -> str | None:
+def check_lora_job(job, engine_parts: tuple[str, ...]) -> str | None:
     """What is wrong with `model.lora` / `critic.lora` for the job's architecture (target_modules matching
-    nothing), judged on a meta-device skeleton of the model (no weights, no memory); None when nothing is."""
+    nothing), judged on a meta-device skeleton of the model (no weights, no memory); None when nothing is.
+    engine_parts: the engines the train type builds (`Strategy.engine_parts`); a critic.lora without a critic
+    is not judged (no engine uses it)."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-    parts = (("model.lora", job.model.lora, None), ("critic.lora", job.critic.lora, job.critic.path))
-    for key, settings, critic_path in parts:
-        if settings is None or (key == "critic.lora" and job.train.train_type != "online_ppo"):
+    parts = (
+        ("policy", "model.lora", job.model.lora, None),
+        ("critic", "critic.lora", job.critic.lora, job.critic.path),
+    )
+    for part, key, settings, critic_path in parts:
+        if settings is None or part not in engine_parts:
             continue
         try:
             if critic_path is not None:

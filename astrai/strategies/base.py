@@ -10,6 +10,7 @@ import torch
 
 from astrai.models.policy import router_aux_loss_coef
 from astrai.run import Run
+from astrai.train_types import TrainTypeRules
 
 
 @dataclass
@@ -30,6 +31,10 @@ class Strategy:
         "policy",
     )  # the trainable engines build_run makes (online_ppo adds "critic")
     renders_chats: ClassVar[bool] = True  # rows go through the tokenizer's chat template (not seq's plain text)
+    # What the job's sections may hold for this train type, judged when a job loads (astrai/train_types.py, below
+    # the config, which cannot import the strategies); the export and the planner read it too.
+    rules: ClassVar[type[TrainTypeRules]]
+    sequences_per_row: ClassVar[int] = 1  # sequences one data row makes in a micro-batch (a pair: 2)
 
     def __init__(self, job, tokenizer):
         self.job = job
@@ -47,6 +52,16 @@ class Strategy:
     @classmethod
     def check_job(cls, job, world_size: int) -> None:
         """Raise ConfigError for what only this train type rejects, given the world size (before any rank works)."""
+
+    @classmethod
+    def needs_reference(cls, job) -> bool:
+        """Whether `setup` builds a frozen reference model; the planner counts its memory from this same answer."""
+        return False
+
+    @classmethod
+    def keeps_reference(cls, job) -> bool:
+        """Whether that reference stays in memory while the policy trains (dpo frees a precomputed one first)."""
+        return cls.needs_reference(job)
 
     @classmethod
     def policy_module(cls, model, tokenizer):
@@ -130,6 +145,8 @@ REGISTRY: dict[str, type[Strategy]] = {}
 
 
 def register(cls: type[Strategy]) -> type[Strategy]:
+    if cls.rules.name != cls.name:  # the schema would judge the job by another train type's rules
+        raise TypeError(f"strategy {cls.name!r} names the rules of {cls.rules.name!r}")
     REGISTRY[cls.name] = cls
     return cls
 

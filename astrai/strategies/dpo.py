@@ -32,6 +32,7 @@ from astrai.models.output_head import chunked_token_statistics, next_token_label
 from astrai.run import Run
 from astrai.strategies.base import StepOutput, Strategy, register
 from astrai.strategies.reference import build_reference
+from astrai.train_types import DpoRules
 
 logger = logging.getLogger("astrai.dpo")
 REFERENCE_COLUMNS = ("reference_chosen_logps", "reference_rejected_logps")
@@ -85,7 +86,9 @@ def _sequences(batch: dict) -> int:
 @register
 class DpoStrategy(Strategy):
     name = "dpo"
+    rules = DpoRules
     loop = "offline"
+    sequences_per_row = 2  # chosen and rejected
     eval_metric_names = ("loss", "accuracy", "margin")
 
     def prepare_data(self, rows) -> tuple[datasets.Dataset, int]:
@@ -113,9 +116,17 @@ class DpoStrategy(Strategy):
         if job.model.reference_path is not None:
             raise ConfigError(f"`dpo.loss: {settings.loss}` uses no reference model: remove `model.reference_path`")
 
+    @classmethod
+    def needs_reference(cls, job) -> bool:
+        return job.dpo.loss not in REFERENCE_FREE_LOSSES
+
+    @classmethod
+    def keeps_reference(cls, job) -> bool:
+        return cls.needs_reference(job) and not job.dpo.precompute_reference  # setup frees it once precomputed
+
     def setup(self, run: Run) -> None:
         self.device = run.dist.device
-        if self.job.dpo.loss in REFERENCE_FREE_LOSSES:
+        if not self.needs_reference(self.job):
             self.reference, self.reference_source = None, None  # never built: the loss needs only the policy
             return
         policy_config = run.engines["policy"].ds_config

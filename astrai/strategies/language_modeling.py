@@ -19,6 +19,7 @@ from astrai.data.render import is_text_row, pack_batch, sft_batch
 from astrai.data.sources import Rows
 from astrai.models.output_head import chunked_token_statistics, next_token_labels
 from astrai.strategies.base import StepOutput, Strategy, register
+from astrai.train_types import SeqRules, SftRules
 
 
 class LanguageModelingStrategy(Strategy):
@@ -69,6 +70,7 @@ class SeqStrategy(LanguageModelingStrategy):
     """Pre-training: text packed into blocks of `data.max_seq_len` tokens, every token trained."""
 
     name = "seq"
+    rules = SeqRules
     renders_chats = False
 
     def prepare_data(self, rows: Rows) -> tuple[datasets.Dataset, int]:
@@ -95,6 +97,7 @@ class SftStrategy(LanguageModelingStrategy):
     """Supervised fine-tuning on chats; only assistant tokens are trained."""
 
     name = "sft"
+    rules = SftRules
 
     def prepare_data(self, rows: Rows) -> tuple[datasets.Dataset, int]:
         return render_rows(rows, sft_batch, tokenizer=self.tokenizer, data=self.job.data, description="rendering chats")

@@ -33,6 +33,7 @@ from astrai.data.reward_pairs import reward_pair_batch
 from astrai.rollout.sequences import join_sequences, left_pad
 from astrai.rollout.shared_prompt import shared_prompt_inputs, shares_prompt
 from astrai.strategies.base import StepOutput, Strategy, register
+from astrai.train_types import RmRules
 
 logger = logging.getLogger("astrai.rm")
 
@@ -41,7 +42,7 @@ def check_pad_token(tokenizer, job) -> None:
     """The scalar head reads the last token that is not the pad token: refuse a tokenizer without a pad
     token of its own (AstrAI's loader falls back to EOS, which would hide a trailing EOS from the head),
     unless `tokenizer.pad_token` names one explicitly."""
-    explicit = getattr(job.tokenizer, "pad_token", None) is not None
+    explicit = job.tokenizer.pad_token is not None
     if tokenizer.pad_token_id is None or (not explicit and tokenizer.pad_token_id == tokenizer.eos_token_id):
         raise ConfigError(
             "train.train_type rm: the tokenizer has no pad token of its own (unset, or falling back to the EOS "
@@ -53,7 +54,9 @@ def check_pad_token(tokenizer, job) -> None:
 @register
 class RewardModelStrategy(Strategy):
     name = "rm"
+    rules = RmRules
     loop = "offline"
+    sequences_per_row = 2  # chosen and rejected
     # Held-out figures (eval/<name>): the default eval_metrics divides these sums by the pairs they cover.
     eval_metric_names = ("loss", "accuracy", "margin", "chosen_reward", "rejected_reward")
 

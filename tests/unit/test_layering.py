@@ -2,9 +2,11 @@
 
 Rules (docs/developer/architecture.md): DeepSpeed only under astrai/engine/; astrai/algos pure torch;
 astrai/checkpoint knows nothing of training; no import circle among astrai's subpackages and
-top-level modules. Function-level (lazy) imports count too: a lazy import still ties the two
-modules together, it only hides the circle until run time. Imports under `if TYPE_CHECKING:` do not:
-they never run, they only name a type for annotations (run.py names the Strategy it holds that way).
+top-level modules; no `train_type` tested against a name outside astrai/strategies/ (a train type's facts
+live in its strategy, or below it in astrai/train_types.py). Function-level (lazy) imports count too: a
+lazy import still ties the two modules together, it only hides the circle until run time. Imports under
+`if TYPE_CHECKING:` do not: they never run, they only name a type for annotations (run.py names the Strategy
+it holds that way).
 """
 
 from __future__ import annotations
@@ -155,3 +157,85 @@ def test_no_import_circle_among_the_subpackages():
     if cycle:
         steps = [f"{a} -> {b} ({witness[a, b]})" for a, b in zip(cycle, cycle[1:])]
         raise AssertionError("import circle among astrai's packages:\n" + "\n".join(steps))
+
+
+# ----------------------------------------------------------------------------- train-type facts
+
+# A train type's facts live in its strategy (astrai/strategies/) and, for the layers below the strategies (the
+# schema's load-time checks, the export), in astrai/train_types.py, one class per train type with no test of a
+# name. Anywhere else a `train_type` compared with a name re-derives a fact that can drift from the run's.
+# Exceptions, each with its reason: none.
+TRAIN_TYPE_TEST_EXCEPTIONS: dict[str, str] = {}
+
+
+def _train_type_names() -> set[str]:
+    """The registered names, read from astrai/train_types.py (`name = "..."` in each rules class)."""
+    tree = ast.parse((PACKAGE / "train_types.py").read_text())
+    return {
+        node.value.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        and [getattr(target, "id", None) for target in node.targets] == ["name"]
+        and isinstance(node.value, ast.Constant)
+    }
+
+
+def _names_train_type(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "train_type") or (
+        isinstance(node, ast.Name) and node.id == "train_type"
+    )
+
+
+def _is_text(node: ast.AST) -> bool:
+    """A string, or a tuple / list / set of strings."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str)
+    return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and bool(node.elts) and all(map(_is_text, node.elts))
+
+
+def _train_type_tests(source: str, names: set[str]) -> list[int]:
+    """Lines that test a `train_type` against names: a comparison (==, !=, in, not in) with a string or a
+    tuple of strings, a `match train_type` statement, or a dict literal keyed by two train types or more."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(map(_names_train_type, sides)) and any(map(_is_text, sides)):
+                found.append(node.lineno)
+        elif isinstance(node, ast.Match) and _names_train_type(node.subject):
+            found.append(node.lineno)
+        elif isinstance(node, ast.Dict):
+            keys = {key.value for key in node.keys if isinstance(key, ast.Constant) and isinstance(key.value, str)}
+            if len(keys & names) >= 2:
+                found.append(node.lineno)
+    return sorted(found)
+
+
+def test_the_train_type_scan_finds_what_it_forbids():
+    """Guards the rule below against passing vacuously."""
+    names = _train_type_names()
+    assert names == {"seq", "sft", "dpo", "grpo", "online_ppo", "rm"}
+    source = (
+        'if job.train.train_type == "dpo": pass\n'
+        'if train_type in ("grpo", "online_ppo"): pass\n'
+        'SIZES = {"dpo": 2, "rm": 2}\n'
+        "match job.train.train_type:\n    case _: pass\n"
+        "if saved_type != job.train.train_type: pass\n"  # two jobs compared: no name, no fact
+        'if job.rl.advantage_estimator == "grpo": pass\n'  # an estimator named grpo, not a train type
+    )
+    assert _train_type_tests(source, names) == [1, 2, 3, 4]
+
+
+def test_no_train_type_tests_outside_the_strategies():
+    names = _train_type_names()
+    offenders = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.relative_to(PACKAGE).parts[0] != "strategies"
+        and str(path.relative_to(PACKAGE.parent)) not in TRAIN_TYPE_TEST_EXCEPTIONS
+        for line in _train_type_tests(path.read_text(), names)
+    ]
+    assert not offenders, (
+        "train_type tested against a name outside astrai/strategies/ (ask the strategy, `strategy_class(...)`, or "
+        "below it `astrai.train_types.train_type_rules(...)`):\n" + "\n".join(offenders)
+    )
