@@ -34,7 +34,7 @@ LOOP = ("astrai/trainer.py", "train_online")
 FUNCTIONS = {  # name -> (file suffix, function): cumulative seconds, recursion counted once
     "generate_rollout": ("rollout/generation.py", "generate_rollout"),
     "sample_responses": ("rollout/generation.py", "sample_responses"),
-    "response_logprobs": ("rollout/sequences.py", "response_logprobs"),  # behaviour (if any) and reference
+    "response_logprobs": ("rollout/scoring.py", "frozen_logprobs"),  # behaviour (if any) and reference
     "score": ("strategies/online.py", "score"),
     "frozen_targets": ("strategies/grpo.py", "frozen_targets"),
     "compute_loss": ("strategies/grpo.py", "compute_loss"),
@@ -166,7 +166,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     from astrai.build import build_run
     from astrai.engine import setup_distributed, shutdown_distributed, tune_malloc
-    from astrai.train import apply_environment, load_and_check
+    from astrai.job_checks import load_and_check
+    from astrai.train import apply_environment
     from astrai.trainer import train_online
 
     job = load_and_check(str(job_path), args.set)

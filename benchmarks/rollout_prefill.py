@@ -84,7 +84,7 @@ class PlainEngine:
 def measure(args, prompt_len: int, data: dict, model, tokenizer) -> tuple[list[dict], list[bool]]:
     import torch
 
-    from astrai.rollout import generate_rollout
+    from astrai.rollout import PlainForward, Prompts, generate_rollout
     from astrai.rollout.generation import sampling_config
     from astrai.rollout.sequences import left_pad, response_mask
 
@@ -100,19 +100,11 @@ def measure(args, prompt_len: int, data: dict, model, tokenizer) -> tuple[list[d
         [ids for ids in prompt_ids for _ in range(args.group_size)], tokenizer.pad_token_id
     )
     engine = PlainEngine(model)
+    scoring = PlainForward(temperature=1.0, vocab_size=len(tokenizer))  # all sequences in one forward
 
     def rollout(share: bool, seed: int):
-        result = generate_rollout(
-            engine,
-            tokenizer,
-            prompt_ids,
-            [[] for _ in prompt_ids],
-            [{} for _ in prompt_ids],
-            settings[share],
-            seed=seed,
-            policy_version=0,
-            logprob_batch_size=args.prompts * args.group_size,
-        )
+        prompts = Prompts(prompt_ids, [[] for _ in prompt_ids], [{} for _ in prompt_ids])
+        result = generate_rollout(engine, tokenizer, prompts, settings[share], seed=seed, scoring=scoring)
         assert result.behaviour_logprobs is not None
         return result.response_ids
 

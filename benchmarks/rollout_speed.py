@@ -69,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def rollout_api_available() -> str | None:
     """None when astrai.rollout has the API this benchmark calls, else why not."""
     try:
-        from astrai.rollout import generate_rollout  # noqa: F401
+        from astrai.rollout import PlainForward, Prompts, generate_rollout  # noqa: F401
         from astrai.rollout.generation import sample_responses, sampling_config  # noqa: F401
         from astrai.rollout.sequences import left_pad, response_mask  # noqa: F401
     except ImportError as error:
@@ -84,7 +84,7 @@ def worker(plan: dict) -> int:
     from astrai.config.schema import DeepSpeedSection
     from astrai.engine import build_ds_config, make_engine, setup_distributed
     from astrai.models.tokenizer import load_tokenizer
-    from astrai.rollout import generate_rollout
+    from astrai.rollout import PlainForward, Prompts, generate_rollout
     from astrai.rollout.generation import sample_responses, sampling_config
     from astrai.rollout.sequences import left_pad, response_mask
     from benchmarks.common import build_model
@@ -135,13 +135,10 @@ def worker(plan: dict) -> int:
         result = generate_rollout(
             engine,
             tokenizer,
-            prompt_ids,
-            [[] for _ in prompt_ids],
-            [{} for _ in prompt_ids],
+            Prompts(prompt_ids, [[] for _ in prompt_ids], [{} for _ in prompt_ids]),
             SimpleNamespace(**vars(settings), behaviour_logprobs=source),
             seed=1234 + rank,
-            policy_version=0,
-            logprob_batch_size=plan["prompts"],
+            scoring=PlainForward(settings.temperature, len(tokenizer)),  # the rank's prompts in one forward
         )
         assert result.behaviour_logprobs is not None
         return result.response_ids

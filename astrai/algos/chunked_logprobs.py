@@ -46,7 +46,7 @@ def head_statistics(
 
     hidden: [M, D] (any float dtype); weight: [V, D]; bias: [V] or None; labels: [M] token ids >= 0.
     The logits are cut to the first `vocab_size` ids (`logprobs.real_vocabulary`), then divided by
-    `temperature`, in the hidden states' dtype, as `rollout.sequences.response_forward` does.
+    `temperature`, in the hidden states' dtype, as `rollout.scoring`'s forwards do.
     entropy: None (not computed), "metric" (no gradient) or "trained" (differentiable).
     Returns (log-probs [M], entropy [M] or None), float32 (float64 for float64 hidden states).
     """

@@ -30,7 +30,7 @@ import torch
 from astrai.algos.pass_at_k import pass_at_k
 from astrai.eval.data import rank_share
 from astrai.rollout import generate_rollout, reward_inputs, sampling_seed
-from astrai.rollout.prompts import decode_prompt_row
+from astrai.rollout.prompts import Prompts
 from astrai.safe_write import fsync_path
 
 EVAL_STREAM = 2**40  # seed streams: 0 samples, 1 + epoch shuffles replay, 2**32 + round is dynamic sampling's
@@ -99,27 +99,21 @@ def online_eval_sums(run, step: int) -> tuple[dict[str, float], list[dict]]:
     keys += [f"{kind}_{what}" for kind in ("greedy", "sampled") for what in ("reward", "tokens", "truncated")]
     sums: dict[str, float] = defaultdict(float, dict.fromkeys(keys, 0.0))
     records: list[dict] = []
-    with policy.generation_module(getattr(job.rollout, "zero3_generation", "copy")) as module:
+    with policy.generation_module(job.rollout.zero3_generation) as module:
         held = HeldModule(policy, module)
         for start in range(0, per_rank, chunk):
             indices = own[start : start + chunk]
             count = min(chunk, per_rank - start)  # every rank makes the same calls: ZeRO-3's may be collectives
             padded = indices + [own[0] if own else 0] * (count - len(indices))
-            prompt_ids, messages, rows = zip(*(decode_prompt_row(dataset[index]) for index in padded))
-            options = dict(policy_version=0, logprob_batch_size=1, behaviour_logprobs=False)
+            prompts = Prompts.from_examples([dataset[index] for index in padded])
             seed = sampling_seed(job.train.seed, 0, 0, stream=EVAL_STREAM)
-            answers = generate_rollout(
-                held, strategy.tokenizer, prompt_ids, messages, rows, greedy, seed=seed, **options
-            )
+            answers = generate_rollout(held, strategy.tokenizer, prompts, greedy, seed=seed)  # no behaviour log-probs
             total, components = _scored(strategy, answers)
             _add_answers(sums, "greedy", answers, total, components, len(indices))
             sums["greedy_pass"] += float((total[: len(indices)] >= settings.pass_threshold).sum())
             for position, index in enumerate(padded):
                 seed = sampling_seed(job.train.seed, 0, index, stream=EVAL_STREAM)
-                draws = generate_rollout(
-                    held, strategy.tokenizer, prompt_ids[position : position + 1], messages[position : position + 1],
-                    rows[position : position + 1], sampled, seed=seed, **options,
-                )  # fmt: skip
+                draws = generate_rollout(held, strategy.tokenizer, prompts[position : position + 1], sampled, seed=seed)
                 sampled_total, sampled_components = _scored(strategy, draws)
                 real = position < len(indices)
                 _add_answers(sums, "sampled", draws, sampled_total, sampled_components, samples if real else 0)

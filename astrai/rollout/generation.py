@@ -39,15 +39,16 @@ forked RNG, so a resumed run samples the same responses as an uninterrupted one 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from astrai.models.lora import is_lora_model
+from astrai.rollout.prompts import Prompts
 from astrai.rollout.sampler import TokenSampler
-from astrai.rollout.sequences import join_sequences, left_pad, response_logprobs, response_mask, truncated_rows
+from astrai.rollout.scoring import ScoringForward
+from astrai.rollout.sequences import join_sequences, left_pad, response_mask, truncated_rows
 from astrai.rollout.shared_prefill import group_prefill_cache, shares_prefill
 
 SEED_MODULUS = 2**63 - 1
@@ -79,7 +80,7 @@ class RolloutResult:
     messages: list[list[dict]]  # the prompt's chat messages of each sequence
     rows: list[dict]  # the data row of each sequence's prompt (every field, e.g. `answer`)
     group_size: int
-    policy_version: int  # optimizer updates the sampling weights had received
+    policy_version: int = 0  # optimizer updates the sampling weights had received (set by the strategy)
     rewards: torch.Tensor | None = None  # [N] float32, set by the reward stage
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [N], unweighted
     overlong_penalties: torch.Tensor | None = None  # [N] float32 (rl.overlong_penalty), already added to `rewards`
@@ -137,6 +138,13 @@ def behaviour_logprobs_source(setting: str, precision: str | None) -> str:
     return "sampler" if precision == "fp32" else "recompute"
 
 
+def generation_mode(setting: str, lora: bool) -> str:
+    """The `Engine.generation_module` mode a rollout samples in, from `rollout.zero3_generation`: a LoRA policy
+    samples in its own module ("gather"), since the plain copy is of a transformers class. The planner counts
+    the ZeRO-3 copy's memory from this same answer."""
+    return "gather" if lora else setting
+
+
 def sampling_config(settings, tokenizer, *, do_sample: bool = True):
     """A GenerationConfig with every sampling knob set (nothing inherited from the model's defaults).
 
@@ -190,9 +198,7 @@ def sample_responses(
             settings.temperature, settings.top_k, settings.top_p, keep_logprobs=False, vocab_size=len(tokenizer)
         )
 
-    mode = getattr(settings, "zero3_generation", "copy")
-    if is_lora_model(engine.module):
-        mode = "gather"  # the plain copy is of a transformers class; a LoRA policy samples in its own module
+    mode = generation_mode(getattr(settings, "zero3_generation", "copy"), is_lora_model(engine.module))
     # Only the partitioned module's forwards are collectives: then a rank whose responses all ended keeps stepping.
     synced = engine.zero_stage == 3 and mode == "gather" and dist.is_initialized() and dist.get_world_size() > 1
     with engine.generation_module(mode) as model:
@@ -215,74 +221,46 @@ def sample_responses(
 
 
 def generate_rollout(
-    engine,
-    tokenizer,
-    prompt_ids: Sequence[Sequence[int]],
-    messages: Sequence[list[dict]],
-    rows: Sequence[dict],
-    settings,
-    *,
-    seed: int,
-    policy_version: int,
-    logprob_batch_size: int,
-    behaviour_logprobs: bool = True,
-    logits_chunk_size: int = 0,
-    packed: bool = False,
-    logprob_batches: Callable[[dict[str, torch.Tensor]], list[list[int]] | None] | None = None,
-    shared_prompt: bool = False,
+    engine, tokenizer, prompts: Prompts, settings, *, seed: int, scoring: ScoringForward | None = None
 ) -> RolloutResult:
     """Sample `settings.group_size` responses to each prompt and take their behaviour log-probs (recomputed
-    by the engine's forward, or kept from the sampler: `settings.behaviour_logprobs`, see
-    `behaviour_logprobs_source`).
+    by `scoring`, the job's scoring forward, on the engine, or kept from the sampler: `settings.behaviour_logprobs`,
+    see `behaviour_logprobs_source`).
 
     engine: the policy `Engine` (or anything with `.module`, `.zero_stage`, `.generation_module()`
-    and a forward); prompt_ids: this rank's prompts as token lists (chat template applied);
-    messages, rows: per prompt, handed on to the rewards. settings: the `rollout:` config section.
-    Every rank must call this with the same number of prompts under ZeRO-3. behaviour_logprobs=False
-    takes none (the result's behaviour_logprobs is None). packed (rl.packing): the recomputing forward runs
-    without the padding (rollout/packed.py). logits_chunk_size: `train.logits_chunk_size`. logprob_batches: the
-    recomputing forward's micro-batches of the joined sequences (rl.packing's token cut, `forward_batches`);
-    None or returning None: logprob_batch_size sequences at a time. shared_prompt (rl.share_prefix): the
-    recomputing forward runs each distinct prompt once (rollout/shared_prompt.py).
+    and a forward); prompts: this rank's prompts (token ids with the chat template applied; messages and rows,
+    handed on to the rewards). settings: the `rollout:` config section; seed: the sampling seed
+    (`sampling_seed`). Every rank must call this with the same number of prompts under ZeRO-3. scoring None
+    takes no behaviour log-probs (the result's behaviour_logprobs is None). The result's policy_version is the
+    caller's to set (0 here): generation does not know how many updates the weights have had.
     """
     group = settings.group_size
     device = engine.device
-    repeated = [list(ids) for ids in prompt_ids for _ in range(group)]
-    prompts, prompt_mask = (tensor.to(device) for tensor in left_pad(repeated, tokenizer.pad_token_id))
+    repeated = [list(ids) for ids in prompts.ids for _ in range(group)]
+    padded_prompts, prompt_mask = (tensor.to(device) for tensor in left_pad(repeated, tokenizer.pad_token_id))
     source = behaviour_logprobs_source(
         getattr(settings, "behaviour_logprobs", "recompute"), getattr(engine, "precision", None)
     )
-    from_sampler = behaviour_logprobs and source == "sampler"
+    from_sampler = scoring is not None and source == "sampler"
     # vocab_size: a model vocabulary padded past the tokenizer samples, and scores, only the tokenizer's ids.
     sampler = TokenSampler(
         settings.temperature, settings.top_k, settings.top_p, keep_logprobs=from_sampler, vocab_size=len(tokenizer)
     )
     with forked_rng(seed, device):
-        response_ids = sample_responses(engine, prompts, prompt_mask, settings, tokenizer, sampler, group_size=group)
+        response_ids = sample_responses(engine, padded_prompts, prompt_mask, settings, tokenizer, sampler, group)
     mask = response_mask(response_ids, tokenizer.eos_token_id)
-    if not behaviour_logprobs:
+    if scoring is None:
         behaviour = None
     elif from_sampler:
         behaviour = sampler.logprobs(response_ids, mask)
     else:
-        sequences = join_sequences(prompts, prompt_mask, response_ids, mask)
-        behaviour = response_logprobs(
-            engine,
-            sequences,
-            temperature=settings.temperature,
-            batch_size=logprob_batch_size,
-            vocab_size=len(tokenizer),
-            chunk_size=logits_chunk_size,
-            packed=packed,
-            batches=None if logprob_batches is None else logprob_batches(sequences),
-            shared_prompt=shared_prompt,
-        )
-    prompt_texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompt_ids]
+        behaviour = scoring.frozen_logprobs(engine, join_sequences(padded_prompts, prompt_mask, response_ids, mask))
+    prompt_texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts.ids]
     response_texts = [
         tokenizer.decode(ids[keep.bool()].tolist(), skip_special_tokens=True) for ids, keep in zip(response_ids, mask)
     ]
     return RolloutResult(
-        prompt_ids=prompts,
+        prompt_ids=padded_prompts,
         prompt_mask=prompt_mask,
         response_ids=response_ids,
         response_mask=mask,
@@ -290,8 +268,7 @@ def generate_rollout(
         truncated=truncated_rows(response_ids, tokenizer.eos_token_id),
         prompt_texts=[text for text in prompt_texts for _ in range(group)],
         response_texts=response_texts,
-        messages=[list(chat) for chat in messages for _ in range(group)],
-        rows=[dict(row) for row in rows for _ in range(group)],
+        messages=[list(chat) for chat in prompts.messages for _ in range(group)],
+        rows=[dict(row) for row in prompts.rows for _ in range(group)],
         group_size=group,
-        policy_version=policy_version,
     )

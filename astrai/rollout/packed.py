@@ -61,7 +61,7 @@ def packed_response_forward(model, sequences: dict[str, torch.Tensor], keeps_log
 
 
 def packed_response_values(critic, sequences: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The critic's values of the response tokens' states [N, R] float32, 0 on padding (see response_values)."""
+    """The critic's values of the response tokens' states [N, R] float32, 0 on padding (see scoring.py's `values`)."""
     inputs, keep, scored = pack_padded(sequences)
     if attention_of(critic) == SEGMENT_ATTENTION:  # a critic whose trunk runs sdpa one row at a time
         inputs.update(segment_keywords(sequences["attention_mask"].sum(dim=1)))

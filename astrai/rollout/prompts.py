@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from astrai.data.render import RowError, prompt_messages
@@ -45,3 +47,25 @@ def prompt_batch(
 def decode_prompt_row(example: dict) -> tuple[list[int], list[dict], dict]:
     """A prepared example -> (prompt_ids, messages, original row)."""
     return list(example["prompt_ids"]), json.loads(example["messages"]), json.loads(example["row"])
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """The prompts of one rollout, one entry each: token ids (chat template applied), chat messages and the
+    data row (handed on to the rewards)."""
+
+    ids: Sequence[Sequence[int]]
+    messages: Sequence[list[dict]]
+    rows: Sequence[dict]
+
+    @classmethod
+    def from_examples(cls, examples: Sequence[dict]) -> Prompts:
+        """Prepared examples (`prompt_batch`' columns) -> their prompts."""
+        ids, messages, rows = zip(*(decode_prompt_row(example) for example in examples))
+        return cls(ids, messages, rows)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: slice) -> Prompts:
+        return Prompts(self.ids[index], self.messages[index], self.rows[index])

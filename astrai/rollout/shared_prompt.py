@@ -10,14 +10,14 @@ policy's backward, is the same prompt again. Here a micro-batch's forward is two
 2. the rest: every sequence's columns P - 1 .. P + R - 2 (the last prompt token, then the response but its
    last token) against its prompt's keys and values, picked out of (1) by row (`batch_select_indices`).
 
-Its logits are exactly the R that predict the response tokens, as `response_forward` cuts them from a full
-forward. Nothing is detached: the prefix's keys and values are ordinary tensors of the graph, so the backward
+Its logits are exactly the R that predict the response tokens, as the plain forward (scoring.py) cuts them from
+a full forward. Nothing is detached: the prefix's keys and values are ordinary tensors of the graph, so the backward
 sums each prompt's gradient over its responses, as the full forward's backward does over its copies. The
 values equal the full forward's up to float rounding (different GEMM shapes; tests/unit/rollout/
 test_shared_prompt.py: log-probs and gradients within 1e-5 in fp32).
 
 The critic (online_ppo's ValueModel) runs the same two forwards; the R values of (2) are those of the
-states in which the R response tokens are chosen, as `response_values` cuts them from a full forward.
+states in which the R response tokens are chosen, as the plain forward's `values` cuts them from a full forward.
 
 With `train.logits_chunk_size` the second forward's output layer computes the statistics chunk by chunk as
 always (models/output_head.py): it sees R positions a row, not P + R.

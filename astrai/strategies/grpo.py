@@ -36,21 +36,22 @@ from astrai.algos.advantages import discounted_returns, grpo_advantages, kl_shap
 from astrai.algos.kl import kl_estimate
 from astrai.algos.masked import global_standardize, masked_sum
 from astrai.algos.ppo import broadcast_sequence_advantages, ppo_policy_loss
-from astrai.rollout import RolloutResult, response_logprobs
-from astrai.rollout.sequences import response_token_statistics
+from astrai.rollout import RolloutResult
 from astrai.run import Run
 from astrai.strategies.base import StepOutput, register
 from astrai.strategies.online import OnlineStrategy
 from astrai.strategies.targets import Targets
+from astrai.train_types import GrpoRules
 
 
 @register
 class GrpoStrategy(OnlineStrategy):
     name = "grpo"
+    rules = GrpoRules
 
     def setup(self, run: Run) -> None:
         super().setup(run)
-        if self.job.rl.kl_coef > 0:
+        if self.needs_reference(self.job):
             self.build_reference(run)
 
     def needs_behaviour_logprobs(self) -> bool:
@@ -69,17 +70,7 @@ class GrpoStrategy(OnlineStrategy):
         targets = rollout.training_tensors()
         reference = None
         if self.reference is not None:
-            reference = response_logprobs(
-                self.reference,
-                targets,
-                temperature=self.job.rollout.temperature,
-                batch_size=self.geometry.micro_batch_size,
-                vocab_size=len(self.tokenizer),
-                chunk_size=self.job.train.logits_chunk_size,
-                packed=self.job.rl.packing,
-                batches=self.forward_batches(targets),
-                shared_prompt=self.job.rl.share_prefix,
-            )
+            reference = self.scoring.frozen_logprobs(self.reference, targets)
             if not self.kl_in_reward():
                 targets["reference_logprobs"] = reference
         targets["advantages"] = self.advantages(rollout, targets, reference)
@@ -113,12 +104,7 @@ class GrpoStrategy(OnlineStrategy):
         averaging yields their mean."""
         settings, mask = self.job.rl, batch["response_mask"]
         options = self.router_options(policy)  # a mixture of experts returns its load-balancing loss
-        temperature, vocab_size = self.job.rollout.temperature, len(self.tokenizer)
-        chunk_size, packed, shared = self.job.train.logits_chunk_size, self.job.rl.packing, self.job.rl.share_prefix
-        logprobs, entropy, output = response_token_statistics(
-            policy, batch, temperature=temperature, vocab_size=vocab_size, chunk_size=chunk_size, entropy="metric",
-            packed=packed, shared_prompt=shared, **options,
-        )  # fmt: skip
+        logprobs, entropy, output = self.scoring.token_statistics(policy, batch, entropy="metric", **options)
         advantages = batch["advantages"]
         if advantages.dim() == 1:
             advantages = broadcast_sequence_advantages(advantages, mask)

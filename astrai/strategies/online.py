@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 
 import datasets
 import torch
@@ -34,7 +35,8 @@ from astrai.engine import all_reduce_maxes, all_reduce_sums
 from astrai.rollout import RolloutResult, build_reward, generate_rollout, reward_inputs, sampling_seed
 from astrai.rollout.generation import behaviour_logprobs_source
 from astrai.rollout.packed import token_micro_batches
-from astrai.rollout.prompts import decode_prompt_row, prompt_batch
+from astrai.rollout.prompts import Prompts, prompt_batch
+from astrai.rollout.scoring import ScoringForward, forward_batches, scoring_forward
 from astrai.run import Run
 from astrai.strategies.base import StepOutput, Strategy
 from astrai.strategies.dynamic_sampling import StepSample, sample_dynamically
@@ -158,6 +160,10 @@ class OnlineStrategy(Strategy):
         check_token_budget(job)
         check_dapo_settings(job)
 
+    @classmethod
+    def needs_reference(cls, job) -> bool:
+        return job.rl.kl_coef > 0  # the KL to it is the only use of a reference (rl.target_kl needs kl_coef > 0)
+
     def optimizer_steps_per_step(self, world_size: int) -> int:
         """Optimizer updates of one step (rollout): what an LR schedule over train.max_steps must multiply by."""
         return batch_geometry(self.job, world_size).updates_per_epoch * self.job.rl.epochs_per_rollout
@@ -212,23 +218,15 @@ class OnlineStrategy(Strategy):
     def rollout(
         self, policy, examples: list[dict], *, step: int, policy_version: int, sampling_round: int = 0
     ) -> RolloutResult:
-        prompt_ids, messages, rows = zip(*(decode_prompt_row(example) for example in examples))
         rollout = generate_rollout(
             policy,
             self.tokenizer,
-            prompt_ids,
-            messages,
-            rows,
+            Prompts.from_examples(examples),
             self.job.rollout,
             seed=round_seed(self.job.train.seed, step, self.dist.rank, sampling_round),
-            policy_version=policy_version,
-            logprob_batch_size=self.geometry.micro_batch_size,
-            behaviour_logprobs=self.needs_behaviour_logprobs(),
-            logits_chunk_size=self.job.train.logits_chunk_size,
-            packed=self.job.rl.packing,
-            logprob_batches=self.forward_batches,
-            shared_prompt=self.job.rl.share_prefix,
+            scoring=self.scoring if self.needs_behaviour_logprobs() else None,
         )
+        rollout.policy_version = policy_version
         if self.job.rl.mask_truncated:
             rollout.loss_rows = ~rollout.truncated
         return rollout
@@ -236,6 +234,13 @@ class OnlineStrategy(Strategy):
     def needs_behaviour_logprobs(self) -> bool:
         """Whether the loss needs the sampling policy's log-probs recomputed at rollout time."""
         return True
+
+    @cached_property
+    def scoring(self) -> ScoringForward:
+        """The job's scoring forward (rollout/scoring.py: plain, packed or shared-prefix), built once: what the
+        behaviour, reference and critic targets and the losses ask for log-probs, entropy and values. Its
+        no-gradient forwards run in `forward_batches`."""
+        return scoring_forward(self.job, len(self.tokenizer), self.forward_batches)
 
     def score(self, rollout: RolloutResult) -> None:
         """Set `rollout.rewards` [N] (and its components) from the `reward:` section, plus rl.overlong_penalty.
@@ -324,11 +329,12 @@ class OnlineStrategy(Strategy):
         counts = self.agree_counts([len(cut) for cut in cuts])
         return [cut + [[] for _ in range(count - len(cut))] for cut, count in zip(cuts, counts)]
 
-    def forward_batches(self, sequences: dict[str, torch.Tensor]) -> list[list[int]] | None:
+    def forward_batches(self, sequences: dict[str, torch.Tensor]) -> list[list[int]]:
         """The micro-batches of a no-gradient forward over all of this rank's sequences (behaviour, reference,
-        critic values): rl.packing's token cut, else None (train.micro_batch_size sequences at a time)."""
+        critic values), as sequence indices: rl.packing's token cut (an empty one is a forward whose output is
+        dropped, so that every rank runs as many), else train.micro_batch_size sequences at a time."""
         if not self.cuts_by_tokens:
-            return None
+            return forward_batches(sequences["input_ids"].shape[0], self.geometry.micro_batch_size)
         return self.token_cuts(sequences, [torch.arange(sequences["input_ids"].shape[0])])[0]
 
     def minibatches(self, targets: Targets, *, step: int, epoch: int) -> Iterator[list[dict[str, torch.Tensor]]]:

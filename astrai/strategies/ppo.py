@@ -42,12 +42,12 @@ from astrai.algos.advantages import AdaptiveKLController, FixedKLController, com
 from astrai.algos.kl import kl_estimate
 from astrai.algos.masked import global_standardize, masked_sum
 from astrai.algos.ppo import ppo_policy_loss, value_loss
-from astrai.rollout import RolloutResult, frozen_response_values, response_logprobs, response_values
-from astrai.rollout.sequences import response_token_statistics
+from astrai.rollout import RolloutResult
 from astrai.run import Run
 from astrai.strategies.base import StepOutput, register
 from astrai.strategies.online import OnlineStrategy
 from astrai.strategies.targets import Targets
+from astrai.train_types import OnlinePpoRules
 
 logger = logging.getLogger("astrai.ppo")
 
@@ -86,6 +86,7 @@ class PPOTargets(Targets):
 @register
 class PPOStrategy(OnlineStrategy):
     name = "online_ppo"
+    rules = OnlinePpoRules
     engine_parts = ("policy", "critic")
     required_parts = ("policy", "critic")
 
@@ -99,7 +100,7 @@ class PPOStrategy(OnlineStrategy):
         else:
             self.kl_controller = FixedKLController(settings.kl_coef)
         self.loss_kl_coef = settings.kl_coef  # the coefficient of the step being replayed (kl_in_reward: false)
-        if settings.kl_coef > 0:
+        if self.needs_reference(self.job):
             self.build_reference(run)
 
     def parts_to_resume(self, checkpoint: Path) -> tuple[str, ...]:
@@ -139,14 +140,7 @@ class PPOStrategy(OnlineStrategy):
         self.score(rollout)
         targets = rollout.training_tensors()
         mask = targets["response_mask"]
-        values = frozen_response_values(
-            self.critic,
-            targets,
-            batch_size=self.geometry.micro_batch_size,
-            packed=settings.packing,
-            batches=self.forward_batches(targets),
-            shared_prompt=settings.share_prefix,
-        )
+        values = self.scoring.frozen_values(self.critic, targets)
         kl = self.reference_kl(targets)
         coefficient = self.kl_controller.value
         shaping = coefficient if settings.kl_in_reward else 0.0
@@ -170,17 +164,7 @@ class PPOStrategy(OnlineStrategy):
         if self.reference is None:
             return torch.zeros_like(targets["behaviour_logprobs"])
         settings = self.job.rl
-        reference = response_logprobs(
-            self.reference,
-            targets,
-            temperature=self.job.rollout.temperature,
-            batch_size=self.geometry.micro_batch_size,
-            vocab_size=len(self.tokenizer),
-            chunk_size=self.job.train.logits_chunk_size,
-            packed=settings.packing,
-            batches=self.forward_batches(targets),
-            shared_prompt=settings.share_prefix,
-        )
+        reference = self.scoring.frozen_logprobs(self.reference, targets)
         if not settings.kl_in_reward:
             targets["reference_logprobs"] = reference
         kind = settings.kl_kind(self.name)
@@ -210,18 +194,8 @@ class PPOStrategy(OnlineStrategy):
         `normalizer` = the optimizer step's global loss units / (ranks x accumulation), as in grpo."""
         settings, mask = self.job.rl, batch["response_mask"]
         options = self.router_options(policy)  # a mixture of experts returns its load-balancing loss
-        temperature, vocab_size = self.job.rollout.temperature, len(self.tokenizer)
-        logprobs, entropy, output = response_token_statistics(
-            policy,
-            batch,
-            temperature=temperature,
-            vocab_size=vocab_size,
-            chunk_size=self.job.train.logits_chunk_size,
-            entropy="trained" if settings.entropy_coef > 0 else "metric",
-            packed=self.job.rl.packing,
-            shared_prompt=settings.share_prefix,
-            **options,
-        )
+        entropy_use = "trained" if settings.entropy_coef > 0 else "metric"
+        logprobs, entropy, output = self.scoring.token_statistics(policy, batch, entropy=entropy_use, **options)
         surrogate = ppo_policy_loss(
             logprobs,
             batch["behaviour_logprobs"],
@@ -259,7 +233,7 @@ class PPOStrategy(OnlineStrategy):
         """vf_coef x the clipped value loss of the critic's values [B, R] against the pinned returns.
         Logged `value_loss` is before vf_coef (the regression error itself)."""
         settings, mask = self.job.rl, batch["response_mask"]
-        values = response_values(critic, batch, self.job.rl.packing, self.job.rl.share_prefix)
+        values = self.scoring.values(critic, batch)
         regression = value_loss(
             values,
             batch["values"],

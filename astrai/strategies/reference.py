@@ -12,6 +12,12 @@ from astrai.models.policy import build_policy
 from astrai.models.segment_attention import use_segment_attention
 
 
+def reference_is_the_policy(job) -> bool:
+    """A LoRA policy without `model.reference_path` is its own reference (its adapter disabled): no second model
+    is held. The planner counts the reference's memory from this same answer."""
+    return job.model.lora is not None and job.model.reference_path is None
+
+
 def reference_model(job, tokenizer, ds_config: dict) -> tuple[torch.nn.Module, str]:
     """The frozen reference's module (`model.reference_path`, else the policy's starting weights) and
     a line naming its source. Under ZeRO-3 with `model.zero3_init` a `path` loads partitioned and a `model.init`
@@ -57,7 +63,7 @@ def build_reference(
 ) -> tuple[FrozenEngine | DisabledAdapterReference, str]:
     """The reference as a frozen engine sharded like the trainable `ds_config` (the policy's), and its source;
     for a LoRA `policy` engine without `model.reference_path`, the policy with its adapter disabled."""
-    if policy is not None and job.model.lora is not None and job.model.reference_path is None:
+    if policy is not None and reference_is_the_policy(job):
         return DisabledAdapterReference(policy), "the LoRA policy with its adapter disabled (its base model)"
     model, source = reference_model(job, tokenizer, ds_config)
     if job.data.packing or job.rl.packing:  # its packed forwards run sdpa one row at a time, as the policy's

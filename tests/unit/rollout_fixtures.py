@@ -9,6 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from astrai.config.schema import JobConfig
 from astrai.models.tokenizer import build_tokenizer
+from astrai.rollout.scoring import PlainForward, ScoringForward, batches_of
 
 ALPHABET = "0123456789+-= abcdefghijklmnopqrstuvwxyz\n"
 
@@ -41,6 +42,16 @@ def tiny_model(tokenizer, seed: int = 0) -> LlamaForCausalLM:
         eos_token_id=tokenizer.eos_token_id,
     )
     return LlamaForCausalLM(config).float()
+
+
+def behaviour_scoring(
+    settings, tokenizer, batch_size: int | None = None, variant: type[ScoringForward] = PlainForward
+) -> ScoringForward:
+    """The scoring forward that recomputes the behaviour log-probs of a rollout sampled with the `rollout:`
+    `settings` (at their temperature, over the tokenizer's vocabulary), `batch_size` sequences at a time
+    (None: all in one forward), as a job's `scoring_forward` does."""
+    micro_batches = None if batch_size is None else batches_of(batch_size)
+    return variant(settings.temperature, len(tokenizer), micro_batches=micro_batches)
 
 
 class PlainEngine:

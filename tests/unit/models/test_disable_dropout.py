@@ -28,7 +28,7 @@ from astrai.config.schema import ModelConfig
 from astrai.models.policy import build_policy, disable_dropout
 from astrai.models.tokenizer import build_tokenizer
 from astrai.models.value import ValueModel, build_value_model, trunk_of
-from astrai.rollout.sequences import masked_token_logprobs, response_logits
+from astrai.rollout.scoring import PlainForward, masked_token_logprobs
 from astrai.trainer import train_offline, train_online
 from tests.conftest import REPO
 
@@ -142,7 +142,7 @@ def check_first_ratio(run, checks: list):
 
     def recording(engine, batch, normalizer):
         if not checks:
-            logits = response_logits(engine, batch, temperature)
+            logits = PlainForward(temperature).logits(engine, batch)[0]
             logprobs = masked_token_logprobs(logits, batch["response_ids"], batch["response_mask"]).detach()
             checks.append(float((logprobs - batch["behaviour_logprobs"]).abs().max()))
         return compute_loss(engine, batch, normalizer)

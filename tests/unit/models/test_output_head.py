@@ -14,7 +14,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from astrai.config.schema import JobConfig
 from astrai.models.output_head import chunked_token_statistics, chunking_refusal, next_token_labels
 from astrai.models.policy import disable_dropout
-from astrai.rollout.sequences import join_sequences, response_token_statistics
+from astrai.rollout.scoring import PlainForward
+from astrai.rollout.sequences import join_sequences
 from astrai.strategies.dpo import completion_forward
 from astrai.strategies.language_modeling import SftStrategy
 from tests.integration.test_architectures import ARCHITECTURES
@@ -133,9 +134,8 @@ def test_response_logprobs_entropy_and_gradients_equal_the_full_logits(name):
     weights = torch.linspace(-1.0, 1.0, 18).view(3, 6)
     results = []
     for chunk_size in (0, CHUNK):
-        logprobs, entropy, output = response_token_statistics(
-            model, sequences, temperature=0.7, vocab_size=vocab_size, chunk_size=chunk_size, entropy="trained"
-        )
+        scoring = PlainForward(temperature=0.7, vocab_size=vocab_size, chunk_size=chunk_size)
+        logprobs, entropy, output = scoring.token_statistics(model, sequences, entropy="trained")
         mask = sequences["response_mask"].bool()
         entropy = torch.where(mask, entropy, 0)  # as every loss reads it: on response tokens only
         loss = (weights * logprobs.exp()).sum() - 0.1 * (weights.flip(1) * entropy).sum()
@@ -166,10 +166,9 @@ def test_dpo_completion_logprobs_equal_the_full_logits(name, average):
 def test_no_gradient_path_and_a_router_loss_are_kept():
     model, sequences = tiny("qwen2_moe"), response_batch()
     with torch.no_grad():
-        full = response_token_statistics(model, sequences, chunk_size=0, entropy="metric", output_router_logits=True)
-        chunked = response_token_statistics(
-            model, sequences, chunk_size=CHUNK, entropy="metric", output_router_logits=True
-        )
+        options = {"entropy": "metric", "output_router_logits": True}
+        full = PlainForward(chunk_size=0).token_statistics(model, sequences, **options)
+        chunked = PlainForward(chunk_size=CHUNK).token_statistics(model, sequences, **options)
     assert chunked[2].logits.shape[-1] == 2  # statistics, not logits
     torch.testing.assert_close(chunked[0], full[0], **EXACT)
     torch.testing.assert_close(chunked[2].aux_loss, full[2].aux_loss, **EXACT)

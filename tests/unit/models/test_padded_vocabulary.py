@@ -17,13 +17,13 @@ from astrai.build import build_run
 from astrai.config import load_job
 from astrai.models.tokenizer import build_tokenizer
 from astrai.rollout.generation import generate_rollout, sample_responses
-from astrai.rollout.prompts import render_prompt
+from astrai.rollout.prompts import Prompts, render_prompt
 from astrai.rollout.sampler import TokenSampler
 from astrai.rollout.sequences import join_sequences, left_pad
 from astrai.strategies.dpo import completion_logprobs
 from astrai.trainer import train_online
 from tests.conftest import REPO
-from tests.unit.rollout_fixtures import LLAMA_SHAPE, PlainEngine
+from tests.unit.rollout_fixtures import LLAMA_SHAPE, PlainEngine, behaviour_scoring
 from tests.unit.strategies.test_grpo import job
 
 MODEL_ROWS = 64
@@ -106,13 +106,10 @@ def test_rollouts_sample_only_real_ids_and_their_behaviour_logprobs_renormalise(
     result = generate_rollout(
         PlainEngine(model),
         tokenizer,
-        prompts,
-        chats,
-        [{}, {}],
+        Prompts(prompts, chats, [{}, {}]),
         settings,
         seed=3,
-        policy_version=0,
-        logprob_batch_size=4,
+        scoring=behaviour_scoring(settings, tokenizer, 4),
     )
     assert result.response_ids.max() < vocab
     # Every sampled id is a token the tokenizer has (it has none for the padded ones, so decoding drops them).

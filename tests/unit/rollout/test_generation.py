@@ -15,16 +15,11 @@ import pytest
 import torch
 
 from astrai.rollout.generation import behaviour_logprobs_source, generate_rollout, sampling_seed
-from astrai.rollout.prompts import render_prompt
-from astrai.rollout.sequences import (
-    join_sequences,
-    left_pad,
-    response_logprobs,
-    response_mask,
-    truncated_rows,
-)
+from astrai.rollout.prompts import Prompts, render_prompt
+from astrai.rollout.scoring import PlainForward, batches_of
+from astrai.rollout.sequences import join_sequences, left_pad, response_mask, truncated_rows
 from astrai.step_metrics import rollout_metrics
-from tests.unit.rollout_fixtures import PlainEngine, tiny_model, tiny_tokenizer
+from tests.unit.rollout_fixtures import PlainEngine, behaviour_scoring, tiny_model, tiny_tokenizer
 
 EOS, PAD = 3, 0
 ATOL = 1e-5
@@ -51,11 +46,11 @@ def prompts_of(tokenizer, texts):
     return [render_prompt(tokenizer, chat) for chat in messages], messages
 
 
-def test_response_logprobs_equal_a_fresh_unpadded_forward(model):
+def test_frozen_logprobs_equal_a_fresh_unpadded_forward(model):
     prompt_ids, prompt_mask = left_pad([[4, 5, 6, 7, 8], [9, 10], [11, 12, 13]], PAD)
     response_ids = torch.tensor([[14, 15, EOS, PAD], [16, 17, 18, 19], [EOS, PAD, PAD, PAD]])
     sequences = join_sequences(prompt_ids, prompt_mask, response_ids, response_mask(response_ids, EOS))
-    batched = response_logprobs(model, sequences, temperature=1.0, batch_size=2)
+    batched = PlainForward(temperature=1.0, micro_batches=batches_of(2)).frozen_logprobs(model, sequences)
     for row in range(3):
         prompt = prompt_ids[row][prompt_mask[row].bool()].tolist()
         response = response_ids[row][sequences["response_mask"][row].bool()].tolist()
@@ -66,7 +61,7 @@ def test_response_logprobs_equal_a_fresh_unpadded_forward(model):
         ]
         assert batched[row, : len(response)].tolist() == pytest.approx(expected, abs=ATOL)
         assert batched[row, len(response) :].abs().sum() == 0  # padding holds exact zeros
-    hot = response_logprobs(model, sequences, temperature=2.0, batch_size=3)
+    hot = PlainForward(temperature=2.0, micro_batches=batches_of(3)).frozen_logprobs(model, sequences)
     assert not torch.allclose(hot, batched)  # temperature-scaled logits give other log-probs
 
 
@@ -79,16 +74,14 @@ def test_rollout_shapes_groups_and_behaviour_logprobs(model, tokenizer):
     result = generate_rollout(
         PlainEngine(model),
         tokenizer,
-        prompt_ids,
-        messages,
-        rows,
+        Prompts(prompt_ids, messages, rows),
         settings(),
         seed=5,
-        policy_version=7,
-        logprob_batch_size=4,
+        scoring=behaviour_scoring(settings(), tokenizer, 4),
     )
     n, longest = 9, max(len(ids) for ids in prompt_ids)
-    assert result.size == n and result.group_size == 3 and result.policy_version == 7
+    assert result.size == n and result.group_size == 3
+    assert result.policy_version == 0  # the caller's to set: generation does not know the weights' updates
     assert result.prompt_ids.shape == result.prompt_mask.shape == (n, longest)
     width = result.response_ids.shape[1]
     assert 1 <= width <= 6 and result.response_mask.shape == result.behaviour_logprobs.shape == (n, width)
@@ -124,16 +117,10 @@ def test_sampler_behaviour_logprobs_equal_the_recomputed_ones(model, tokenizer, 
     prompt_ids, messages = prompts_of(tokenizer, ["1+2=", "10+20=", "7-3="])
 
     def rollout(source):
+        knobs = settings(behaviour_logprobs=source, max_new_tokens=12, **sampling)
+        prompts = Prompts(prompt_ids, messages, [{}, {}, {}])
         return generate_rollout(
-            PlainEngine(model),
-            tokenizer,
-            prompt_ids,
-            messages,
-            [{}, {}, {}],
-            settings(behaviour_logprobs=source, max_new_tokens=12, **sampling),
-            seed=11,
-            policy_version=0,
-            logprob_batch_size=4,
+            PlainEngine(model), tokenizer, prompts, knobs, seed=11, scoring=behaviour_scoring(knobs, tokenizer, 4)
         )
 
     recomputed, sampled = rollout("recompute"), rollout("sampler")
@@ -178,13 +165,10 @@ def test_auto_behaviour_logprobs_come_from_the_sampler_in_fp32_only(model, token
         results[precision] = generate_rollout(
             engine,
             tokenizer,
-            prompt_ids,
-            messages,
-            [{}, {}],
+            Prompts(prompt_ids, messages, [{}, {}]),
             settings(behaviour_logprobs="auto", max_new_tokens=8),
             seed=2,
-            policy_version=0,
-            logprob_batch_size=8,
+            scoring=behaviour_scoring(settings(), tokenizer, 8),
         )
         assert CountingEngine.forwards == (0 if precision == "fp32" else 1), precision
     assert torch.equal(results["fp32"].response_ids, results["bf16"].response_ids)
@@ -268,13 +252,10 @@ def test_max_length_truncates_and_marks(model, tokenizer):
     result = generate_rollout(
         PlainEngine(model),
         tokenizer,
-        prompt_ids,
-        messages,
-        [{}],
+        Prompts(prompt_ids, messages, [{}]),
         settings(group_size=8, max_new_tokens=2),
         seed=1,
-        policy_version=0,
-        logprob_batch_size=8,
+        scoring=behaviour_scoring(settings(), tokenizer, 8),
     )
     assert result.response_ids.shape[1] <= 2
     lengths = result.response_mask.sum(dim=1)
@@ -295,13 +276,10 @@ def test_sampling_is_seeded_per_rollout_and_ignores_model_generation_defaults(mo
             return generate_rollout(
                 engine,
                 tokenizer,
-                prompt_ids,
-                messages,
-                [{}],
+                Prompts(prompt_ids, messages, [{}]),
                 settings(group_size=8),
                 seed=seed,
-                policy_version=0,
-                logprob_batch_size=8,
+                scoring=behaviour_scoring(settings(), tokenizer, 8),
             )
 
         first, again, other = run(11), run(11), run(12)
@@ -347,13 +325,10 @@ def test_top_k_1_and_a_tiny_top_p_sample_the_greedy_response(model, tokenizer, t
     result = generate_rollout(
         PlainEngine(model),
         tokenizer,
-        prompt_ids,
-        messages,
-        [{}, {}],
+        Prompts(prompt_ids, messages, [{}, {}]),
         settings(group_size=4, **truncation),
         seed=7,
-        policy_version=0,
-        logprob_batch_size=8,
+        scoring=behaviour_scoring(settings(), tokenizer, 8),
     )
     for index in range(result.size):
         response = result.response_ids[index][result.response_mask[index].bool()].tolist()
@@ -361,13 +336,10 @@ def test_top_k_1_and_a_tiny_top_p_sample_the_greedy_response(model, tokenizer, t
     plain = generate_rollout(
         PlainEngine(model),
         tokenizer,
-        prompt_ids,
-        messages,
-        [{}, {}],
+        Prompts(prompt_ids, messages, [{}, {}]),
         settings(group_size=4),
         seed=7,
-        policy_version=0,
-        logprob_batch_size=8,
+        scoring=behaviour_scoring(settings(), tokenizer, 8),
     )
     assert len(set(plain.response_texts)) > 2  # the same seed without truncation samples diverse responses
 
@@ -379,13 +351,10 @@ def test_top_k_and_top_p_restrict_each_sampled_token(model, tokenizer):
         result = generate_rollout(
             PlainEngine(model),
             tokenizer,
-            prompt_ids,
-            messages,
-            [{}, {}],
+            Prompts(prompt_ids, messages, [{}, {}]),
             settings(group_size=8, **truncation),
             seed=3,
-            policy_version=0,
-            logprob_batch_size=8,
+            scoring=behaviour_scoring(settings(), tokenizer, 8),
         )
         return sampled_token_standing(model, result, prompt_ids)
 
@@ -406,13 +375,10 @@ def test_rollout_leaves_the_global_rng_alone(model, tokenizer):
     generate_rollout(
         PlainEngine(model),
         tokenizer,
-        prompt_ids,
-        messages,
-        [{}],
+        Prompts(prompt_ids, messages, [{}]),
         settings(),
         seed=1,
-        policy_version=0,
-        logprob_batch_size=4,
+        scoring=behaviour_scoring(settings(), tokenizer, 4),
     )
     assert torch.equal(torch.rand(3), expected)
     assert model.training is False  # restored to the mode it had

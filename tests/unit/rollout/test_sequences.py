@@ -1,7 +1,7 @@
 """The prompt + response layout (astrai/rollout/sequences.py): response masks through the first EOS, left
-padding, joined sequences and their position ids; and response_logits, which asks the model for the logits
-of the last R + 1 columns only (`logits_to_keep`) and must give exactly what slicing a full forward gives,
-with or without a model that takes the option."""
+padding, joined sequences and their position ids; and the plain scoring forward (astrai/rollout/scoring.py),
+which asks the model for the logits of the last R + 1 columns only (`logits_to_keep`) and must give exactly
+what slicing a full forward gives, with or without a model that takes the option."""
 
 from __future__ import annotations
 
@@ -9,17 +9,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from astrai.algos.logprobs import token_logprobs
-from astrai.rollout.sequences import (
-    _keeps_logits,
-    join_sequences,
-    left_pad,
-    position_ids,
-    response_forward,
-    response_logits,
-    response_mask,
-    response_token_statistics,
-    truncated_rows,
-)
+from astrai.rollout.scoring import PlainForward, keeps_logits
+from astrai.rollout.sequences import join_sequences, left_pad, position_ids, response_mask, truncated_rows
 from tests.unit.rollout_fixtures import LLAMA_SHAPE
 
 EOS, PAD = 3, 0
@@ -83,7 +74,7 @@ def test_response_logits_with_logits_to_keep_equal_a_sliced_full_forward():
     response_ids = torch.randint(3, 40, (3, 6))
     response_ids[1, 2] = 2  # an EOS mid-response: the mask ends there
     sequences = join_sequences(prompt_ids, prompt_mask, response_ids, response_mask(response_ids, 2))
-    assert _keeps_logits(model) and not _keeps_logits(NoKeepOption(model))
+    assert keeps_logits(model) and not keeps_logits(NoKeepOption(model))
     with torch.no_grad():
         full = model(
             input_ids=sequences["input_ids"],
@@ -91,15 +82,15 @@ def test_response_logits_with_logits_to_keep_equal_a_sliced_full_forward():
             position_ids=sequences["position_ids"],
         ).logits
         expected = full[:, 4:10] / 0.7  # P = 5: response token t is predicted at column P - 1 + t
-        kept = response_logits(model, sequences, temperature=0.7)
-        sliced = response_logits(NoKeepOption(model), sequences, temperature=0.7)
+        kept = PlainForward(temperature=0.7).logits(model, sequences)[0]
+        sliced = PlainForward(temperature=0.7).logits(NoKeepOption(model), sequences)[0]
     assert kept.shape == (3, 6, 40)
     torch.testing.assert_close(kept, expected, rtol=0, atol=1e-6)  # the same matmuls on fewer rows
     torch.testing.assert_close(sliced, expected, rtol=0, atol=0)
 
 
 def test_scoring_forwards_build_no_cache_and_give_the_cached_forwards_logits():
-    """response_forward and response_token_statistics (full and chunked) pass use_cache=False: no key/value cache
+    """The plain forward's logits and token_statistics (full and chunked) pass use_cache=False: no key/value cache
     is built (the model's default would fill one), and the log-probs are those of the default forward."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(SCORING_LLAMA).eval()
@@ -114,12 +105,12 @@ def test_scoring_forwards_build_no_cache_and_give_the_cached_forwards_logits():
             position_ids=sequences["position_ids"],
         )
         assert default.past_key_values is not None
-        logits, output = response_forward(model, sequences)
+        logits, output = PlainForward().logits(model, sequences)
         assert output.past_key_values is None
         torch.testing.assert_close(logits, default.logits[:, 4:8], rtol=0, atol=1e-6)
         expected = token_logprobs(default.logits[:, 4:8], response_ids)
         mask = sequences["response_mask"].bool()
         for chunk_size in (0, 3):  # the full logits, and the chunked output layer
-            logprobs, _, output = response_token_statistics(model, sequences, chunk_size=chunk_size)
+            logprobs, _, output = PlainForward(chunk_size=chunk_size).token_statistics(model, sequences)
             assert output.past_key_values is None
             torch.testing.assert_close(logprobs[mask], expected[mask], rtol=0, atol=1e-5)

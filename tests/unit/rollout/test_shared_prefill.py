@@ -15,9 +15,10 @@ import pytest
 import torch
 
 from astrai.rollout.generation import generate_rollout
+from astrai.rollout.prompts import Prompts
 from astrai.rollout.sequences import left_pad
 from astrai.rollout.shared_prefill import group_prefill_cache, shares_prefill
-from tests.unit.rollout_fixtures import PlainEngine, tiny_model, tiny_tokenizer
+from tests.unit.rollout_fixtures import PlainEngine, behaviour_scoring, tiny_model, tiny_tokenizer
 
 # Left-padded prompts of different lengths in one batch, a one-token prompt among them (its cached
 # prefix is all padding).
@@ -41,17 +42,10 @@ def model(tokenizer):
 
 
 def rollout(model, tokenizer, seed=3, **changes):
-    return generate_rollout(
-        PlainEngine(model),
-        tokenizer,
-        PROMPTS,
-        [[] for _ in PROMPTS],
-        [{} for _ in PROMPTS],
-        settings(**changes),
-        seed=seed,
-        policy_version=0,
-        logprob_batch_size=8,
-    )
+    knobs = settings(**changes)
+    prompts = Prompts(PROMPTS, [[] for _ in PROMPTS], [{} for _ in PROMPTS])
+    scoring = behaviour_scoring(knobs, tokenizer, 8)
+    return generate_rollout(PlainEngine(model), tokenizer, prompts, knobs, seed=seed, scoring=scoring)
 
 
 @pytest.mark.parametrize(

@@ -10,14 +10,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 from astrai.models.value import ValueModel, trunk_of
-from astrai.rollout.sequences import (
-    join_sequences,
-    left_pad,
-    response_logprobs,
-    response_mask,
-    response_token_statistics,
-    response_values,
-)
+from astrai.rollout.scoring import PlainForward, SharedPrefixForward, batches_of
+from astrai.rollout.sequences import join_sequences, left_pad, response_mask
 from astrai.rollout.shared_prompt import shared_prompt_forward, shares_prompt
 from tests.unit.rollout.test_sequences import SCORING_LLAMA
 from tests.unit.rollout_fixtures import LLAMA_SHAPE
@@ -46,10 +40,13 @@ def grouped_sequences(prompts: list[list[int]], group: int, response_len: int = 
     return {key: value[order] for key, value in sequences.items()}
 
 
+def scoring(shared: bool, **settings):
+    """The shared-prefix scoring forward, or the plain one it must equal."""
+    return (SharedPrefixForward if shared else PlainForward)(**settings)
+
+
 def statistics(model, sequences, shared: bool):
-    return response_token_statistics(
-        model, sequences, temperature=0.7, vocab_size=VOCAB - 2, entropy="trained", shared_prompt=shared
-    )
+    return scoring(shared, temperature=0.7, vocab_size=VOCAB - 2).token_statistics(model, sequences, entropy="trained")
 
 
 def gradients(model) -> list[torch.Tensor]:
@@ -100,9 +97,9 @@ def test_the_prompt_runs_once_per_distinct_prompt():
 def test_no_grad_scoring_in_batches_equals_the_plain_scoring():
     model = tiny_llama().eval()
     sequences = grouped_sequences([[5, 6, 7], [8, 9, 10, 11, 12], [13, 14]], group=3)
-    options = {"temperature": 1.0, "batch_size": 4, "vocab_size": VOCAB}
-    plain = response_logprobs(model, sequences, **options)
-    shared = response_logprobs(model, sequences, **options, shared_prompt=True)
+    options = {"temperature": 1.0, "micro_batches": batches_of(4), "vocab_size": VOCAB}
+    plain = PlainForward(**options).frozen_logprobs(model, sequences)
+    shared = SharedPrefixForward(**options).frozen_logprobs(model, sequences)
     torch.testing.assert_close(shared, plain, atol=1e-5, rtol=0)
 
 
@@ -117,7 +114,7 @@ def test_peft_policy_equal_values_and_lora_gradients():
     results = {}
     for shared in (False, True):
         model.zero_grad()
-        logprobs, _, _ = response_token_statistics(model, sequences, shared_prompt=shared)
+        logprobs, _, _ = scoring(shared).token_statistics(model, sequences)
         logprobs.sum().backward()
         results[shared] = logprobs.detach(), gradients(model)
     torch.testing.assert_close(results[True][0], results[False][0], atol=1e-5, rtol=0)
@@ -143,8 +140,8 @@ def test_models_it_cannot_serve_take_the_plain_forward():
     with torch.no_grad():
         assert shares_prompt(checkpointed, {})  # no backward to replay: the cache is kept
     sequences = grouped_sequences([[5, 6, 7], [8, 9]], group=2)
-    plain = response_token_statistics(windowed, sequences)[0]
-    torch.testing.assert_close(response_token_statistics(windowed, sequences, shared_prompt=True)[0], plain)
+    plain = PlainForward().token_statistics(windowed, sequences)[0]
+    torch.testing.assert_close(SharedPrefixForward().token_statistics(windowed, sequences)[0], plain)
 
 
 def test_chunked_output_layer_on_the_shared_forward():
@@ -155,9 +152,8 @@ def test_chunked_output_layer_on_the_shared_forward():
     results = {}
     for shared, chunk in ((False, 0), (True, 7)):
         model.zero_grad()
-        logprobs, entropy, output = response_token_statistics(
-            model, sequences, vocab_size=VOCAB - 2, chunk_size=chunk, entropy="trained", shared_prompt=shared
-        )
+        forward = scoring(shared, vocab_size=VOCAB - 2, chunk_size=chunk)
+        logprobs, entropy, output = forward.token_statistics(model, sequences, entropy="trained")
         (logprobs.sum() + entropy[sequences["response_mask"].bool()].sum()).backward()  # chunks skip padding
         results[shared] = logprobs.detach(), gradients(model), output.logits.shape
     assert results[True][2] == (12, 5, 2)  # the chunked layer's statistics (log-prob, entropy), not the logits
@@ -176,7 +172,7 @@ def test_critic_values_and_gradients_equal_the_full_forward():
     results = {}
     for shared in (False, True):
         critic.zero_grad()
-        values = response_values(critic, sequences, shared_prompt=shared)
+        values = scoring(shared).values(critic, sequences)
         (values**2).sum().backward()
         results[shared] = values.detach(), gradients(critic)
     torch.testing.assert_close(results[True][0], results[False][0], atol=1e-5, rtol=0)

@@ -15,13 +15,13 @@ from astrai.config import ConfigError
 from astrai.config.schema import JobConfig
 from astrai.rollout.generation import RolloutResult, generate_rollout, sampling_seed
 from astrai.rollout.groups import concatenate_rollouts, select_groups
-from astrai.rollout.prompts import render_prompt
+from astrai.rollout.prompts import Prompts, render_prompt
 from astrai.rollout.rewards import WeightedReward
 from astrai.strategies.dynamic_sampling import deal_groups, plan_groups
 from astrai.strategies.grpo import GrpoStrategy
 from astrai.strategies.online import batch_geometry, round_seed
 from tests.conftest import REPO
-from tests.unit.rollout_fixtures import PlainEngine, online_job, tiny_model, tiny_tokenizer
+from tests.unit.rollout_fixtures import PlainEngine, behaviour_scoring, online_job, tiny_model, tiny_tokenizer
 
 
 def job(**sections) -> JobConfig:
@@ -235,14 +235,10 @@ def test_without_dynamic_sampling_a_step_samples_what_it_did(tokenizer):
     direct = generate_rollout(
         policy,
         tokenizer,
-        prompt_ids,
-        messages,
-        rows,
+        Prompts(prompt_ids, messages, rows),
         config.rollout,
         seed=sampling_seed(config.train.seed, 4, 0),
-        policy_version=0,
-        logprob_batch_size=2,
-        behaviour_logprobs=strategy.needs_behaviour_logprobs(),
+        scoring=behaviour_scoring(config.rollout, tokenizer, 2) if strategy.needs_behaviour_logprobs() else None,
     )
     assert torch.equal(sample.rollout.response_ids, direct.response_ids)
     assert sample.prompts_drawn == 2 and sample.metrics == {}
@@ -286,7 +282,7 @@ def test_combinations_that_cannot_work_fail_before_any_rank(changes, message, tm
     """Through astrai/train.py's pre-rank check: a ConfigError naming the job file and the keys."""
     import yaml
 
-    from astrai.train import load_and_check
+    from astrai.job_checks import load_and_check
 
     path = tmp_path / "job.yaml"
     raw = job(**changes).model_dump(mode="json", exclude_none=True)

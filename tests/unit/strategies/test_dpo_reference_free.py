@@ -14,8 +14,8 @@ import pytest
 from astrai.build import build_run
 from astrai.config import ConfigError
 from astrai.engine import FrozenEngine
+from astrai.job_checks import load_and_check
 from astrai.metrics import read_metrics
-from astrai.train import load_and_check
 from astrai.trainer import TRAIN_LOOPS
 from tests.unit.strategies.dpo_fixtures import preference_folder
 

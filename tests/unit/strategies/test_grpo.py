@@ -14,12 +14,12 @@ from astrai.algos.advantages import grpo_advantages
 from astrai.config import ConfigError
 from astrai.config.schema import JobConfig
 from astrai.rollout.generation import generate_rollout
-from astrai.rollout.prompts import render_prompt
+from astrai.rollout.prompts import Prompts, render_prompt
 from astrai.rollout.rewards import WeightedReward
-from astrai.rollout.sequences import response_logprobs
+from astrai.rollout.scoring import PlainForward, batches_of
 from astrai.strategies.grpo import GrpoStrategy
 from astrai.strategies.online import batch_geometry
-from tests.unit.rollout_fixtures import LengthReward, PlainEngine, tiny_model, tiny_tokenizer
+from tests.unit.rollout_fixtures import LengthReward, PlainEngine, behaviour_scoring, tiny_model, tiny_tokenizer
 
 
 def job(**sections) -> JobConfig:
@@ -62,13 +62,10 @@ def rollout_and_models(tokenizer):
     result = generate_rollout(
         PlainEngine(policy),
         tokenizer,
-        prompts,
-        chats,
-        [{}, {}],
+        Prompts(prompts, chats, [{}, {}]),
         config.rollout,
         seed=3,
-        policy_version=0,
-        logprob_batch_size=2,
+        scoring=behaviour_scoring(config.rollout, tokenizer, 2),
     )
     return result, policy, reference
 
@@ -121,7 +118,7 @@ def test_frozen_targets(tokenizer, rollout_and_models):
     lengths = torch.tensor([float(len(text)) for text in result.response_texts])
     assert torch.equal(result.rewards, lengths)
     assert torch.allclose(targets["advantages"], grpo_advantages(lengths, 4))
-    expected = response_logprobs(reference, targets, temperature=1.0, batch_size=8)
+    expected = PlainForward(micro_batches=batches_of(8)).frozen_logprobs(reference, targets)
     assert torch.allclose(targets["reference_logprobs"], expected, atol=1e-6)
     assert set(targets) >= {
         "input_ids",
@@ -192,16 +189,7 @@ def test_one_update_per_rollout_skips_the_behaviour_forward(tokenizer, rollout_a
     chats = [[{"role": "user", "content": text}] for text in ("1+2=", "30-4=")]
     prompts = [render_prompt(tokenizer, chat) for chat in chats]
     skipped = generate_rollout(
-        PlainEngine(policy),
-        tokenizer,
-        prompts,
-        chats,
-        [{}, {}],
-        one_update.rollout,
-        seed=3,
-        policy_version=0,
-        logprob_batch_size=2,
-        behaviour_logprobs=False,
+        PlainEngine(policy), tokenizer, Prompts(prompts, chats, [{}, {}]), one_update.rollout, seed=3
     )
     assert skipped.behaviour_logprobs is None and torch.equal(
         skipped.response_ids, result.response_ids
@@ -249,7 +237,7 @@ def test_split_micro_batches_give_the_whole_batch_gradient(tokenizer, rollout_an
 def test_batch_split_is_checked_before_any_rank_starts(monkeypatch):
     """astrai/train.py's pre-rank check reads the launcher's WORLD_SIZE, so a rollout that cannot split
     over the ranks fails with a ConfigError (exit 2) naming the job file, before the rendezvous."""
-    from astrai.train import load_and_check
+    from astrai.job_checks import load_and_check
 
     tiny = [
         "model.path=null",

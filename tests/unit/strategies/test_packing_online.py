@@ -16,13 +16,21 @@ from astrai.models.segment_attention import use_segment_attention
 from astrai.models.value import ValueModel, trunk_of
 from astrai.rollout.generation import generate_rollout
 from astrai.rollout.packed import pack_padded, token_micro_batches
-from astrai.rollout.prompts import render_prompt
+from astrai.rollout.prompts import Prompts, render_prompt
 from astrai.rollout.rewards import WeightedReward
-from astrai.rollout.sequences import response_forward
+from astrai.rollout.scoring import PackedForward, PlainForward
 from astrai.strategies.grpo import GrpoStrategy
 from astrai.strategies.online import batch_geometry
 from astrai.strategies.ppo import PPOStrategy
-from tests.unit.rollout_fixtures import LLAMA_INIT, LengthReward, PlainEngine, online_job, tiny_model, tiny_tokenizer
+from tests.unit.rollout_fixtures import (
+    LLAMA_INIT,
+    LengthReward,
+    PlainEngine,
+    behaviour_scoring,
+    online_job,
+    tiny_model,
+    tiny_tokenizer,
+)
 
 TINY = LLAMA_INIT
 
@@ -42,13 +50,10 @@ def rollout_and_models(tokenizer):
     result = generate_rollout(
         PlainEngine(policy),
         tokenizer,
-        prompts,
-        chats,
-        [{}, {}],
+        Prompts(prompts, chats, [{}, {}]),
         rollout_settings,
         seed=5,
-        policy_version=0,
-        logprob_batch_size=2,
+        scoring=behaviour_scoring(rollout_settings, tokenizer, 2),
     )
     lengths = result.response_mask.sum(dim=1)
     assert lengths.min() < lengths.max()  # ragged responses: the padded batch holds padding to remove
@@ -114,8 +119,8 @@ def test_packed_response_logits_equal_padded(rollout_and_models, temperature):
     sequences = result.training_tensors()
     mask = sequences["response_mask"].bool()
     with torch.no_grad():
-        padded = response_forward(policy, sequences, temperature, 40)[0]
-        packed = response_forward(policy, sequences, temperature, 40, packed=True)[0]
+        padded = PlainForward(temperature, 40).logits(policy, sequences)[0]
+        packed = PackedForward(temperature, 40).logits(policy, sequences)[0]
     torch.testing.assert_close(packed[mask], padded[mask], atol=1e-5, rtol=0)
 
 
@@ -126,9 +131,9 @@ def test_packed_response_logits_with_segment_attention_equal_padded(rollout_and_
     sequences = result.training_tensors()
     mask = sequences["response_mask"].bool()
     with torch.no_grad():
-        padded = response_forward(policy, sequences, 1.0, 40)[0]
-        packed = response_forward(segment, sequences, 1.0, 40, packed=True)[0]
-        generated_path = response_forward(segment, sequences, 1.0, 40)[0]  # padded: transformers' sdpa mask
+        padded = PlainForward(1.0, 40).logits(policy, sequences)[0]
+        packed = PackedForward(1.0, 40).logits(segment, sequences)[0]
+        generated_path = PlainForward(1.0, 40).logits(segment, sequences)[0]  # padded: transformers' sdpa mask
     torch.testing.assert_close(packed[mask], padded[mask], atol=1e-5, rtol=0)
     torch.testing.assert_close(generated_path[mask], padded[mask], atol=1e-5, rtol=0)
 
@@ -148,14 +153,10 @@ def test_packed_behaviour_logprobs_equal_padded(tokenizer, rollout_and_models, s
         generate_rollout(
             PlainEngine(model),
             tokenizer,
-            prompts,
-            chats,
-            [{}, {}],
+            Prompts(prompts, chats, [{}, {}]),
             settings,
             seed=5,
-            policy_version=0,
-            logprob_batch_size=2,
-            packed=packed,
+            scoring=behaviour_scoring(settings, tokenizer, 2, variant=PackedForward if packed else PlainForward),
         )
         for packed in (False, True)
     ]

@@ -18,13 +18,21 @@ from astrai.config.schema import JobConfig, ModelConfig
 from astrai.models.policy import build_policy
 from astrai.models.value import ValueModel, build_value_model, load_value_model, trunk_of
 from astrai.rollout.generation import generate_rollout
-from astrai.rollout.prompts import render_prompt
+from astrai.rollout.prompts import Prompts, render_prompt
 from astrai.rollout.rewards import WeightedReward
-from astrai.rollout.sequences import response_logits, response_logprobs
+from astrai.rollout.scoring import PlainForward, batches_of
 from astrai.step_metrics import online_record
 from astrai.strategies.online import batch_geometry
 from astrai.strategies.ppo import PPOStrategy
-from tests.unit.rollout_fixtures import LLAMA_INIT, LengthReward, PlainEngine, online_job, tiny_model, tiny_tokenizer
+from tests.unit.rollout_fixtures import (
+    LLAMA_INIT,
+    LengthReward,
+    PlainEngine,
+    behaviour_scoring,
+    online_job,
+    tiny_model,
+    tiny_tokenizer,
+)
 
 TINY = LLAMA_INIT
 
@@ -57,16 +65,14 @@ def rollout_and_models(tokenizer):
     reference = tiny_model(tokenizer, seed=1)  # differs from the policy: the KL is not 0
     chats = [[{"role": "user", "content": text}] for text in ("1+2=", "30-4=")]
     prompts = [render_prompt(tokenizer, chat) for chat in chats]
+    settings = job().rollout
     result = generate_rollout(
         PlainEngine(policy),
         tokenizer,
-        prompts,
-        chats,
-        [{}, {}],
-        job().rollout,
+        Prompts(prompts, chats, [{}, {}]),
+        settings,
         seed=3,
-        policy_version=0,
-        logprob_batch_size=2,
+        scoring=behaviour_scoring(settings, tokenizer, 2),
     )
     return result, policy, reference
 
@@ -143,7 +149,7 @@ def test_frozen_targets_are_pinned_on_the_targets(tokenizer, rollout_and_models)
     mask = targets["response_mask"]
     assert torch.equal(targets["values"], torch.zeros_like(targets["values"]))  # zero head: every first value is 0
     assert not hasattr(result, "values") and not hasattr(result, "advantages")  # the rollout knows generation only
-    ref = response_logprobs(reference, targets, temperature=1.0, batch_size=8)
+    ref = PlainForward(micro_batches=batches_of(8)).frozen_logprobs(reference, targets)
     kl = torch.where(mask.bool(), torch.expm1(ref - result.behaviour_logprobs) - (ref - result.behaviour_logprobs), 0.0)
     assert torch.allclose(targets.kl, kl, atol=1e-6) and (targets.kl[mask.bool()] > 0).all()
     rewards = kl_shaped_rewards(result.rewards, kl, mask, 0.1)
@@ -246,7 +252,7 @@ def test_dual_clip_through_the_strategy_matches_the_pure_loss(tokenizer, rollout
     batch = dict(strategy.frozen_targets(copy.copy(result)))
     mask = batch["response_mask"]
     generator = torch.Generator().manual_seed(5)
-    current = response_logprobs(policy, batch, temperature=1.0, batch_size=8)
+    current = PlainForward(micro_batches=batches_of(8)).frozen_logprobs(policy, batch)
     # Behaviour log-probs 0..3 nats below the current ones: ratios 1..20, so the dual clip binds on negative advantages.
     batch["behaviour_logprobs"] = torch.where(
         mask.bool(), current - 3.0 * torch.rand(current.shape, generator=generator), 0.0
@@ -283,7 +289,7 @@ def test_entropy_bonus_is_minus_coef_times_the_token_mean_entropy_and_moves_the_
     bonus, bonus_gradient = loss_and_gradient(coef)
     # The token-mean entropy, independently: torch's Categorical over the same response logits.
     model = copy.deepcopy(policy)
-    entropy = torch.distributions.Categorical(logits=response_logits(model, batch, 1.0)).entropy()
+    entropy = torch.distributions.Categorical(logits=PlainForward().logits(model, batch)[0]).entropy()
     entropy_mean = entropy[mask].sum() / tokens
     entropy_mean.backward()
     entropy_gradient = torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -381,7 +387,8 @@ def test_config_aliases_and_checks():
 
 
 def test_cli_shorthands_and_the_quickstart_config(monkeypatch):
-    from astrai.train import load_and_check, parse_args
+    from astrai.job_checks import load_and_check
+    from astrai.train import parse_args
 
     args = parse_args(
         [
@@ -424,18 +431,15 @@ def test_sampler_behaviour_logprobs_from_the_job_config_give_ratio_one_at_the_be
     result = generate_rollout(
         PlainEngine(policy),
         tokenizer,
-        prompts,
-        chats,
-        [{}, {}],
+        Prompts(prompts, chats, [{}, {}]),
         config.rollout,
         seed=3,
-        policy_version=0,
-        logprob_batch_size=2,
+        scoring=behaviour_scoring(config.rollout, tokenizer, 2),
     )
     strategy = ppo_with(config, tokenizer, fresh_critic(policy))
     targets = strategy.frozen_targets(result)
     mask = targets["response_mask"].bool()
-    recomputed = response_logprobs(PlainEngine(policy), targets, temperature=1.0, batch_size=8)
+    recomputed = PlainForward(micro_batches=batches_of(8)).frozen_logprobs(PlainEngine(policy), targets)
     assert (
         torch.allclose(targets["behaviour_logprobs"], recomputed, atol=1e-5)
         and (targets["behaviour_logprobs"][mask] < 0).all()

@@ -20,13 +20,20 @@ from astrai.config import ConfigError
 from astrai.config.schema import JobConfig
 from astrai.models.value import ValueModel, trunk_of
 from astrai.rollout.generation import generate_rollout
-from astrai.rollout.prompts import render_prompt
+from astrai.rollout.prompts import Prompts, render_prompt
 from astrai.rollout.rewards import WeightedReward
-from astrai.rollout.sequences import masked_token_logprobs, response_logits, response_logprobs
+from astrai.rollout.scoring import PlainForward, batches_of, masked_token_logprobs
 from astrai.strategies.grpo import GrpoStrategy
 from astrai.strategies.online import batch_geometry
 from astrai.strategies.ppo import PPOStrategy
-from tests.unit.rollout_fixtures import LengthReward, PlainEngine, online_job, tiny_model, tiny_tokenizer
+from tests.unit.rollout_fixtures import (
+    LengthReward,
+    PlainEngine,
+    behaviour_scoring,
+    online_job,
+    tiny_model,
+    tiny_tokenizer,
+)
 
 CPU = types.SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
 
@@ -59,16 +66,14 @@ def rollout_and_models(tokenizer):
     policy, reference = tiny_model(tokenizer, seed=0), tiny_model(tokenizer, seed=1)
     chats = [[{"role": "user", "content": text}] for text in ("1+2=", "30-4=")]
     prompts = [render_prompt(tokenizer, chat) for chat in chats]
+    settings = job().rollout
     result = generate_rollout(
         PlainEngine(policy),
         tokenizer,
-        prompts,
-        chats,
-        [{}, {}],
-        job().rollout,
+        Prompts(prompts, chats, [{}, {}]),
+        settings,
         seed=3,
-        policy_version=0,
-        logprob_batch_size=2,
+        scoring=behaviour_scoring(settings, tokenizer, 2),
     )
     return result, policy, reference
 
@@ -152,7 +157,7 @@ def test_a_resolved_job_validates_again():
 
 
 def test_a_refused_combination_stops_the_job_before_any_rank(monkeypatch):
-    from astrai.train import load_and_check
+    from astrai.job_checks import load_and_check
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     tiny = ["model.path=null", "model.init={model_type: llama}", "tokenizer.build={kind: char}"]
@@ -168,7 +173,7 @@ def test_online_ppo_shapes_the_reward_with_k1_by_default(tokenizer, rollout_and_
     strategy = strategy_with(config, tokenizer, policy, reference)
     targets = strategy.frozen_targets(result := copy.copy(result))
     mask = result.response_mask.bool()
-    ref = response_logprobs(reference, result.training_tensors(), temperature=1.0, batch_size=8)
+    ref = PlainForward(micro_batches=batches_of(8)).frozen_logprobs(reference, result.training_tensors())
     assert torch.allclose(targets.kl, torch.where(mask, result.behaviour_logprobs - ref, 0.0), atol=1e-6)
     assert (targets.kl[mask] < 0).any()  # k1 can be negative; k3 never is
 
@@ -229,7 +234,7 @@ def test_reinforce_pp_targets_against_a_loop(tokenizer, rollout_and_models):
     targets = strategy.frozen_targets(copy.copy(result))
     assert "reference_logprobs" not in targets  # no KL loss term
     rewards, mask = strategy_rewards(strategy, result).tolist(), targets["response_mask"]
-    ref = response_logprobs(reference, targets, temperature=1.0, batch_size=8)
+    ref = PlainForward(micro_batches=batches_of(8)).frozen_logprobs(reference, targets)
     k1 = (targets["behaviour_logprobs"] - ref).double()
     returns = torch.zeros(mask.shape, dtype=torch.float64)
     for row in range(8):
@@ -262,7 +267,7 @@ def test_sequence_mean_with_empty_rows_matches_verl(tokenizer, rollout_and_model
 
     def verl_loss(model):
         mask = targets["response_mask"]
-        logits = response_logits(PlainEngine(model), targets, 1.0)
+        logits = PlainForward().logits(PlainEngine(model), targets)[0]
         logprobs = masked_token_logprobs(logits, targets["response_ids"], mask)
         ratio = torch.exp(logprobs - targets["behaviour_logprobs"])
         advantages = targets["advantages"][:, None]
@@ -361,6 +366,6 @@ def test_kl_loss_term_uses_the_configured_estimator(tokenizer, rollout_and_model
     targets = strategy.frozen_targets(copy.copy(result))
     mask = targets["response_mask"]
     output = strategy.compute_loss(PlainEngine(policy), targets, normalizer=float(mask.sum()))
-    current = response_logprobs(policy, targets, temperature=1.0, batch_size=8)
+    current = PlainForward(micro_batches=batches_of(8)).frozen_logprobs(policy, targets)
     k2 = kl_estimate(current, targets["reference_logprobs"], "k2", max_log_ratio=10.0)
     assert output.sums["kl"] == pytest.approx(float(k2[mask.bool()].sum()), rel=1e-4)

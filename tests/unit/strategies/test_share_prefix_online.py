@@ -12,9 +12,10 @@ import torch
 from astrai.config import ConfigError, JobConfig
 from astrai.models.value import ValueModel, trunk_of
 from astrai.rollout.generation import generate_rollout
-from astrai.rollout.prompts import render_prompt
+from astrai.rollout.prompts import Prompts, render_prompt
+from astrai.rollout.scoring import SharedPrefixForward
 from astrai.strategies.grpo import GrpoStrategy
-from tests.unit.rollout_fixtures import PlainEngine, online_job
+from tests.unit.rollout_fixtures import PlainEngine, behaviour_scoring, online_job
 from tests.unit.strategies.test_packing_online import (
     TINY,
     assert_same_targets,
@@ -76,10 +77,10 @@ def test_behaviour_logprobs_of_the_rollout_equal_the_plain_forward(tokenizer, ro
     chats = [[{"role": "user", "content": text}] for text in ("1+2=", "30-4+17=")]
     prompts = [render_prompt(tokenizer, chat) for chat in chats]
     settings = online_job("grpo", TINY, rollout={"max_new_tokens": 8}).rollout
+    scoring = behaviour_scoring(settings, tokenizer, 3, variant=SharedPrefixForward)
     shared = generate_rollout(
-        PlainEngine(policy), tokenizer, prompts, chats, [{}, {}], settings, seed=5, policy_version=0,
-        logprob_batch_size=3, shared_prompt=True,
-    )  # fmt: skip
+        PlainEngine(policy), tokenizer, Prompts(prompts, chats, [{}, {}]), settings, seed=5, scoring=scoring
+    )
     assert torch.equal(shared.response_ids, result.response_ids)
     torch.testing.assert_close(shared.behaviour_logprobs, result.behaviour_logprobs, atol=1e-5, rtol=0)
 
