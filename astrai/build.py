@@ -267,6 +267,8 @@ def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
     policy_steps = steps - (job.critic.warmup_rollouts if "critic" in strategy.engine_parts else 0)
     if dist.is_main:
         warn_long_warmup(job, policy_steps)
+        for message in strategy.rules.warnings(job):
+            logger.warning(message)
     schedule = lr_lambda(
         policy_steps * updates, warmup_steps(job, policy_steps) * updates, job.train.lr_schedule, job.train.min_lr_ratio
     )
@@ -285,7 +287,7 @@ def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
         module_parameters(model) / 1e6,
         torch.get_num_threads(),
     )
-    run = Run(job, dist, output_dir, tokenizer, strategy, DataStream(dataset, order), steps, engines, skipped)
+    run = Run(job, dist, output_dir, tokenizer, strategy, DataStream(dataset, order), steps, engines)
     run.eval_dataset = eval_dataset
     strategy.setup(run)
     return run

@@ -1,6 +1,6 @@
 """The training loops. One per family, each readable top to bottom.
 
-`train_offline` serves `seq`, `sft` and `dpo`: batches -> strategy loss -> engine backward/step ->
+`train_offline` serves `seq`, `sft`, `dpo` and `rm`: batches -> strategy loss -> engine backward/step ->
 metrics -> publish a checkpoint every N steps and at the end. Steps count optimizer updates from 1.
 
 `train_online` serves `grpo` and `online_ppo`: prompts -> rollout -> frozen targets -> replay epochs
@@ -11,10 +11,13 @@ checkpoint. A step is one rollout; `policy_version` counts the policy's optimize
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -101,15 +104,60 @@ def _add(sums: dict[str, float], output) -> None:
         sums[key] += value
 
 
-def _close_step(
-    run: Run, state: TrainerState, record: dict, metrics: MetricsLog, checkpoints: TrainingCheckpoints
-) -> None:
-    """End of every step of either loop: log (every log_every_steps and the last), then publish when due."""
+def _close_step(run: Run, session: Session, record: dict) -> None:
+    """End of every step of either loop: eval when due, log (every log_every_steps, the last, and eval steps),
+    then publish a checkpoint when due."""
+    state = session.state
+    session.evaluator.after_step(state.step, record, session.checkpoints)  # timed apart from the step's figures
     if state.step % run.job.train.log_every_steps == 0 or state.step == run.total_steps or "eval_s" in record:
-        metrics.log(state.step, record)
-    metrics.advance()
-    if checkpoints.due(state.step, run.total_steps):
-        checkpoints.save(state, metrics, final=state.step == run.total_steps)
+        session.metrics.log(state.step, record)
+    session.metrics.advance()
+    if session.checkpoints.due(state.step, run.total_steps):
+        session.checkpoints.save(state, session.metrics, final=state.step == run.total_steps)
+
+
+@dataclass
+class Session:
+    """What both loops hold from set-up to tear-down: the trainer state (resumed or fresh), the metrics log,
+    the checkpoints, the evaluator, and when the run began (resumed runs carry their elapsed time on)."""
+
+    state: TrainerState
+    metrics: MetricsLog
+    checkpoints: TrainingCheckpoints
+    evaluator: Evaluator
+    started: float
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.started
+
+
+@contextlib.contextmanager
+def training_session(run: Run) -> Iterator[Session]:
+    """Set-up and tear-down shared by the loops: resume (engines, RNG, data position, policy version, the
+    strategy's own state such as an adaptive KL coefficient) or start fresh, open the metrics log, put the
+    trainable engines in train() mode, run `eval.at_start`; at the end, finish a background save in flight
+    (or say why not) and close the log, however the loop ended."""
+    checkpoints = TrainingCheckpoints(run)
+    state = checkpoints.resume()
+    run.strategy.load_state_dict(state.strategy)
+    metrics = MetricsLog(
+        run.output_dir,
+        is_main=run.dist.is_main,
+        total_steps=run.total_steps,
+        start_step=state.step,
+        job=run.job,
+        progress_bar=run.job.runtime.progress_bar,
+    )
+    try:
+        started = time.perf_counter() - state.elapsed_s  # eval.at_start counts in the run's elapsed time
+        for engine in run.engines.values():
+            engine.train()
+        evaluator = Evaluator(run, state.step)  # eval.every_steps, the last step, eval.at_start (astrai/eval/)
+        evaluator.at_start(state.step, metrics)
+        yield Session(state, metrics, checkpoints, evaluator, started)
+    finally:
+        checkpoints.close()
+        metrics.close()
 
 
 def offline_update(run: Run, micro_batches: list[dict]) -> dict[str, float]:
@@ -124,47 +172,35 @@ def offline_update(run: Run, micro_batches: list[dict]) -> dict[str, float]:
     sums: dict[str, float] = defaultdict(float)
     nonfinite = False
     for index, batch in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        policy.mark_micro_batch(last)
         output = strategy.compute_loss(policy, _to_device(batch, run.dist.device), normalizer)
         nonfinite |= not is_finite(output.loss)
         policy.backward(output.loss)
-        if index < len(micro_batches) - 1:
-            policy.step()
-        else:
+        if last:
             finish_update(policy, run, nonfinite, "policy", policy.global_steps + 1)
+        else:
+            policy.step()
         _add(sums, output)
         sums["tokens"] += float(batch["attention_mask"].sum())
     return sums
 
 
 def train_offline(run: Run) -> TrainerState:
-    job, strategy, policy = run.job, run.strategy, run.engines["policy"]
-    accumulation = job.train.grad_accum_steps
-    checkpoints = TrainingCheckpoints(run)
-    state = checkpoints.resume()  # restores engines, RNG and the data position, or starts fresh
-    metrics = MetricsLog(
-        run.output_dir,
-        is_main=run.dist.is_main,
-        total_steps=run.total_steps,
-        start_step=state.step,
-        job=job,
-        progress_bar=job.runtime.progress_bar,
-    )
-    steps = run.data.steps(accumulation)  # from the resumed position; token-balanced with data.packing
-    run_started = time.perf_counter() - state.elapsed_s
-    policy.train()
-    evaluator = Evaluator(run, state.step)  # eval.every_steps, the last step, eval.at_start (astrai/eval/)
-    evaluator.at_start(state.step, metrics)
-    try:
+    """`seq`, `sft`, `dpo`, `rm`: one optimizer step per loop turn, over `grad_accum_steps` micro-batches per rank."""
+    strategy, policy = run.strategy, run.engines["policy"]
+    with training_session(run) as session:
+        state = session.state
+        steps = run.data.steps(run.job.train.grad_accum_steps)  # from the resumed position (data.packing: by tokens)
         for step in range(state.step + 1, run.total_steps + 1):
             step_started = time.perf_counter()
             micro_batches = [strategy.collate(rows) for rows in next(steps)]
             lr = policy.lr
             sums = offline_update(run, micro_batches)
             state.step, state.policy_version = step, step
-            totals = _global_sums(sums, run.dist.device)
             step_seconds = time.perf_counter() - step_started
-            state.elapsed_s = time.perf_counter() - run_started
-            record, tokens = offline_record(totals)
+            state.elapsed_s = session.elapsed_s()
+            record, tokens = offline_record(_global_sums(sums, run.dist.device))
             record.update(
                 lr=lr,
                 grad_norm=policy.grad_norm,
@@ -175,11 +211,7 @@ def train_offline(run: Run) -> TrainerState:
                 samples=run.data.consumed_samples,
             )
             _add_skipped(record, run, policy)
-            evaluator.after_step(step, record, checkpoints)  # timed apart: not in tokens_per_s
-            _close_step(run, state, record, metrics, checkpoints)
-    finally:
-        checkpoints.close()  # a background save in flight finishes (or says why not)
-        metrics.close()
+            _close_step(run, session, record)
     return state
 
 
@@ -190,76 +222,31 @@ def _add_skipped(record: dict, run: Run, policy: Engine) -> None:
 
 
 def train_online(run: Run) -> TrainerState:
-    job, strategy, policy = run.job, run.strategy, run.engines["policy"]
-    # Every engine the strategy declares (online_ppo adds a critic: its own optimizer and clipping), by name.
-    parts = {part: run.engines[part] for part in strategy.engine_parts}
-    accumulation, world, device = job.train.grad_accum_steps, run.dist.world_size, run.dist.device
-    checkpoints = TrainingCheckpoints(run)
-    state = checkpoints.resume()  # restores the engines, the policy version and the prompt position
-    strategy.load_state_dict(state.strategy)  # e.g. the adaptive KL coefficient
-    metrics = MetricsLog(
-        run.output_dir,
-        is_main=run.dist.is_main,
-        total_steps=run.total_steps,
-        start_step=state.step,
-        job=job,
-        progress_bar=job.runtime.progress_bar,
-    )
-    prompt_batches = run.data.batches()  # from the resumed position; every prompt drawn (all rounds) advances it
-    run_started = time.perf_counter() - state.elapsed_s
-    for engine in run.engines.values():
-        engine.train()
-    evaluator = Evaluator(run, state.step)  # eval.every_steps, the last step, eval.at_start (astrai/eval/)
-    evaluator.at_start(state.step, metrics)
-    try:
+    """`grpo`, `online_ppo`: one rollout per loop turn, read as its phases (sample, score, update, record)."""
+    strategy, policy = run.strategy, run.engines["policy"]
+    with training_session(run) as session:
+        state = session.state
+        prompt_batches = run.data.batches()  # from the resumed position; every prompt drawn (all rounds) advances it
         for step in range(state.step + 1, run.total_steps + 1):
-            # 1. Rollout: group_size scored responses to each of this rank's prompts, from the current weights
+            # 1. Sample: group_size scored responses to each of this rank's prompts, from the current weights
             # (rl.dynamic_sampling: as many rounds of prompts as it takes to fill the step with informative groups).
             rollout_started = time.perf_counter()
             sample = strategy.sample(policy, prompt_batches, step=step, policy_version=state.policy_version)
-            rollout = sample.rollout
-            # 2. Frozen targets: rewards, reference log-probs, values, advantages, returns; fixed for every epoch below.
-            targets = strategy.frozen_targets(rollout)
+            # 2. Score: rewards, reference log-probs, values, advantages, returns; frozen for every epoch below.
+            targets = strategy.frozen_targets(sample.rollout)
             rollout_seconds = time.perf_counter() - rollout_started
-            # 3. Replay: each minibatch is one optimizer step of `accumulation` micro-batches per rank (rl.packing:
-            # its token cut, as many on every rank), for every engine part the strategy trains this step (not the
-            # policy in a critic warmup step). Only policy steps count as versions. DeepSpeed divides every loss
-            # by `accumulation` whatever the count, so the normaliser does too.
+            # 3. Update: replay epochs over minibatches, one optimizer step of each trained engine per minibatch.
             train_started = time.perf_counter()
-            training = {part: engine for part, engine in parts.items() if strategy.trains_part(part, step)}
-            lrs, sums = {part: engine.lr for part, engine in parts.items()}, defaultdict(float)
-            for epoch in range(job.rl.epochs_per_rollout):
-                for micro_batches in strategy.minibatches(targets, step=step, epoch=epoch):
-                    # As offline: one divisor for every micro-batch and rank of the optimizer step, so the
-                    # update is the mean over the minibatch's loss units whatever the split.
-                    weights = [strategy.loss_weight(batch) for batch in micro_batches]
-                    normalizer = max(all_reduce_sum(sum(weights), device), 1.0) / (world * accumulation)
-                    nonfinite, applied = dict.fromkeys(training, False), {"policy": False}
-                    for index, (batch, weight) in enumerate(zip(micro_batches, weights)):
-                        last = index == len(micro_batches) - 1
-                        for part, engine in training.items():
-                            if strategy.cuts_by_tokens:  # rl.packing: not A micro-batches, so say where it ends
-                                engine.set_accumulation_boundary(last)
-                            output = strategy.part_loss(part, engine, batch, normalizer)
-                            nonfinite[part] |= not is_finite(output.loss)
-                            engine.backward(output.loss)
-                            if last:
-                                applied[part] = finish_update(engine, run, nonfinite[part], part, step)
-                                if strategy.cuts_by_tokens:
-                                    engine.set_accumulation_boundary(None)
-                            else:
-                                engine.step()
-                            _add(sums, output)
-                        sums["tokens"] += float(batch["response_mask"].sum())
-                        sums["weight"] += float(weight)
-                    if applied["policy"]:  # a skipped update (train.on_nonfinite: skip_step) changed no weight
-                        state.policy_version += 1
+            lrs = {part: run.engines[part].lr for part in strategy.engine_parts}
+            sums, policy_updates = online_update(run, targets, step)
+            state.policy_version += policy_updates
             train_seconds = time.perf_counter() - train_started
-            # 4. Metrics and checkpoint.
-            state.step = step
-            state.elapsed_s = time.perf_counter() - run_started
-            state.strategy = strategy.state_dict()
-            record = online_record(_global_sums({**sums, **rollout.metric_sums(), **targets.metric_sums()}, device))
+            # 4. Record: the step's global metrics, then eval and checkpoint when due.
+            state.step, state.elapsed_s, state.strategy = step, session.elapsed_s(), strategy.state_dict()
+            global_sums = _global_sums(
+                {**sums, **sample.rollout.metric_sums(), **targets.metric_sums()}, run.dist.device
+            )
+            record = online_record(global_sums)
             record.update(sample.metrics)  # already global: dynamic sampling's rounds and groups
             record.update(
                 lr=lrs["policy"],
@@ -271,18 +258,63 @@ def train_online(run: Run) -> TrainerState:
                 epoch=run.data.epoch,
                 samples=run.data.consumed_samples,
             )
-            if len(parts) > 1:  # each engine's own norm (`critic_grad_norm`, ...) and every other engine's LR
-                for part, engine in parts.items():
-                    record[f"{part}_grad_norm"] = engine.grad_norm
-                    if part != "policy":
-                        record[f"{part}_lr"] = lrs[part]
+            _add_engine_figures(record, run, lrs)
             _add_skipped(record, run, policy)
-            evaluator.after_step(step, record, checkpoints)  # timed apart: not in rollout_s or train_s
-            _close_step(run, state, record, metrics, checkpoints)
-    finally:
-        checkpoints.close()  # a background save in flight finishes (or says why not)
-        metrics.close()
+            _close_step(run, session, record)
     return state
+
+
+def online_update(run: Run, targets, step: int) -> tuple[dict[str, float], int]:
+    """The update phase of one online step: rl.epochs_per_rollout epochs over the strategy's minibatches, each
+    one optimizer step of every engine part the strategy trains this step (not the policy in a critic warmup
+    step). Returns this rank's metric sums (not yet reduced) and the policy updates applied (the versions)."""
+    strategy = run.strategy
+    training = {part: run.engines[part] for part in strategy.engine_parts if strategy.trains_part(part, step)}
+    sums: dict[str, float] = defaultdict(float)
+    policy_updates = 0
+    for epoch in range(run.job.rl.epochs_per_rollout):
+        for micro_batches in strategy.minibatches(targets, step=step, epoch=epoch):
+            applied = minibatch_update(run, training, micro_batches, step, sums)
+            policy_updates += applied.get("policy", False)  # a skipped update (skip_step) changed no weight
+    return sums, policy_updates
+
+
+def minibatch_update(run: Run, training: dict[str, Engine], micro_batches: list[dict], step: int, sums) -> dict:
+    """One optimizer step of each engine in `training` over one minibatch's micro-batches (grad_accum_steps of
+    them per rank, or rl.packing's token cut, as many on every rank). Adds this rank's metric sums to `sums`;
+    returns {part: whether its update was applied}."""
+    strategy = run.strategy
+    # As offline: one divisor for every micro-batch and rank of the optimizer step, so the update is the mean
+    # over the minibatch's loss units whatever the split. DeepSpeed divides every loss by grad_accum_steps
+    # whatever the count of micro-batches, so the normaliser does too.
+    weights = [strategy.loss_weight(batch) for batch in micro_batches]
+    world, accumulation = run.dist.world_size, run.job.train.grad_accum_steps
+    normalizer = max(all_reduce_sum(sum(weights), run.dist.device), 1.0) / (world * accumulation)
+    nonfinite, applied = dict.fromkeys(training, False), {}
+    for index, (batch, weight) in enumerate(zip(micro_batches, weights)):
+        last = index == len(micro_batches) - 1
+        for part, engine in training.items():
+            engine.mark_micro_batch(last)
+            output = strategy.part_loss(part, engine, batch, normalizer)
+            nonfinite[part] |= not is_finite(output.loss)
+            engine.backward(output.loss)
+            if last:
+                applied[part] = finish_update(engine, run, nonfinite[part], part, step)
+            else:
+                engine.step()
+            _add(sums, output)
+        sums["tokens"] += float(batch["response_mask"].sum())
+        sums["weight"] += float(weight)
+    return applied
+
+
+def _add_engine_figures(record: dict, run: Run, lrs: dict[str, float]) -> None:
+    """With more engines than the policy: each engine's own norm (`critic_grad_norm`, ...) and every other LR."""
+    if len(lrs) > 1:
+        for part, lr in lrs.items():
+            record[f"{part}_grad_norm"] = run.engines[part].grad_norm
+            if part != "policy":
+                record[f"{part}_lr"] = lr
 
 
 TRAIN_LOOPS = {"offline": train_offline, "online": train_online}

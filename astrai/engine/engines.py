@@ -74,20 +74,26 @@ class Engine:
 
     def step(self) -> None:
         """Call after every micro-batch; DeepSpeed updates on the accumulation boundary."""
-        if (
-            self.zero_stage == 0
-            and not self._engine.gradient_clipping() > 0
-            and self._engine.is_gradient_accumulation_boundary()
-        ):
+        boundary = self._engine.is_gradient_accumulation_boundary()
+        if self.zero_stage == 0 and not self._engine.gradient_clipping() > 0 and boundary:
             # No clipping, so DeepSpeed computes no norm: take it from the reduced gradients.
             gradients = [p.grad for p in self.module.parameters() if p.grad is not None]
             self._stage0_grad_norm = float(torch.nn.utils.get_total_norm(gradients)) if gradients else None
         self._engine.step()
+        if boundary:
+            self._engine.set_gradient_accumulation_boundary(None)  # the update is done: DeepSpeed's own count again
+
+    def mark_micro_batch(self, last: bool) -> None:
+        """Before each micro-batch's forward: whether it is the last of its optimizer step. The loops mark every
+        micro-batch, so a step ends where its micro-batches end, whether it runs gradient_accumulation_steps of
+        them (where the mark says what DeepSpeed's own count would) or a varying number (rl.packing's token cut);
+        the `step()` or `skip_update()` of the last one hands the boundary back to DeepSpeed's count. DeepSpeed
+        still divides every loss by gradient_accumulation_steps, whatever the number of micro-batches."""
+        self._engine.set_gradient_accumulation_boundary(last)
 
     def set_accumulation_boundary(self, is_boundary: bool | None) -> None:
-        """Before each micro-batch's forward when an optimizer step runs a varying number of them (rl.packing's
-        token cut): True on its last, False before; None hands the boundary back to DeepSpeed's own count of
-        gradient_accumulation_steps. DeepSpeed still divides every loss by gradient_accumulation_steps."""
+        """DeepSpeed's boundary set by hand (True, False, or None for its own count): `mark_micro_batch` is what
+        the loops use; this serves code that drives an engine's accumulation itself (tests, benchmarks)."""
         self._engine.set_gradient_accumulation_boundary(is_boundary)
 
     def skip_update(self) -> None:
@@ -100,6 +106,7 @@ class Engine:
         silenced = [engine.basic_optimizer, getattr(engine.optimizer, "backup_optimizer", None), engine.lr_scheduler]
         with _silenced_steps([item for item in silenced if item is not None]):
             engine.step()
+        engine.set_gradient_accumulation_boundary(None)  # as after `step()`: DeepSpeed's own count again
         if engine.skipped_steps == skipped_before:  # DeepSpeed did not find the overflow itself
             engine.skipped_steps += 1
 
