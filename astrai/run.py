@@ -80,7 +80,6 @@ class Run:
     data: DataStream
     total_steps: int
     engines: dict[str, Engine]
-    skipped_rows: int
     eval_dataset: datasets.Dataset | None = None  # eval.data_path or eval.holdout's examples (astrai/eval/)
 
     @property

@@ -16,7 +16,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from astrai.job_checks import check_job_parts, load_and_check  # noqa: F401  (run_plan.py and tests import them here)
+from astrai.job_checks import load_and_check
 
 logger = logging.getLogger("astrai")
 

@@ -148,7 +148,7 @@ def main() -> int:
         setup_distributed,
         shutdown_distributed,
     )
-    from astrai.train import load_and_check
+    from astrai.job_checks import load_and_check
 
     dist = setup_distributed(120)
     set_log_format(dist.rank, "WARNING")

@@ -32,7 +32,7 @@ def main() -> int:
     from astrai.build import build_run
     from astrai.engine import barrier, set_log_format, setup_distributed, shutdown_distributed
     from astrai.export import export_finished_run
-    from astrai.train import load_and_check
+    from astrai.job_checks import load_and_check
     from astrai.trainer import TRAIN_LOOPS
 
     dist = setup_distributed(120)

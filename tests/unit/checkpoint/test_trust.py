@@ -70,7 +70,7 @@ def trained(tmp_path_factory, one_rank) -> dict:
 
 def build(config: str, dist, *overrides: str):
     from astrai.build import build_run
-    from astrai.train import load_and_check
+    from astrai.job_checks import load_and_check
 
     job = load_and_check(config, list(overrides))
     return build_run(job, dist, config)

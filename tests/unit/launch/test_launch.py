@@ -340,7 +340,7 @@ def test_nccl_variables_of_this_shell_reach_no_rank_unless_the_job_lists_them(tm
         "in runtime.environment" in err
     )
     assert shlex.split(out)[:5] == ["env", "-u", "NCCL_SOCKET_IFNAME", "-u", "TORCH_NCCL_BLOCKING_WAIT"]
-    from astrai.train import load_and_check
+    from astrai.job_checks import load_and_check
 
     plan = launch.plan_launch(load_and_check(config, []), config, [], node_rank=0)
     handed = plan.launcher_environment(os.environ)

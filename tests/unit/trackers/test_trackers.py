@@ -232,7 +232,7 @@ class HideModule:
 
 @pytest.mark.parametrize("tracker", ["wandb", "mlflow", "tensorboard"])
 def test_a_tracker_not_installed_fails_the_job_check_naming_its_extra(tmp_path, monkeypatch, tracker):
-    from astrai.train import check_job_parts
+    from astrai.job_checks import check_job_parts
 
     check_job_parts(tiny_job(tmp_path), "job.yaml", 1)  # transformers' lazy imports done while wandb is visible
     job = tiny_job(tmp_path, f"runtime.trackers=[{tracker}]", f"runtime.tensorboard={tracker == 'tensorboard'}")
