@@ -76,7 +76,11 @@ def simpo_loss(
 
 
 def log1m_exp(values: torch.Tensor) -> torch.Tensor:
-    """log(1 - exp(x)) for x <= 0, elementwise (Maechler 2012: each branch is accurate where it is used)."""
+    """log(1 - exp(x)) for x <= 0, elementwise (Maechler 2012: each branch is accurate where it is used).
+
+    Never -inf: x is clamped to at most -1e-30 first, so at x = 0 (an average log-prob of 0, probability 1,
+    where the true value is -inf) it returns log(1e-30) ~ -69.08, finite, with a gradient of 0 there (the
+    clamp's); ORPO's odds term then stays finite instead of making the loss NaN."""
     near_zero = values > -math.log(2.0)
     # Both branches are evaluated; clamp so the unused one never makes a NaN whose gradient would leak.
     return torch.where(

@@ -122,6 +122,11 @@ def test_orpo_is_float32_stable_near_probability_one():
     values = torch.tensor([-1e-6, -0.5, -0.69, -0.7, -30.0], dtype=torch.float32)
     expected = [math.log(-math.expm1(v)) for v in values.double().tolist()]
     assert log1m_exp(values).tolist() == pytest.approx(expected, rel=1e-5)
+    # At 0 (probability 1) the true value is -inf; the clamp at -1e-30 gives log(1e-30), finite, gradient 0
+    at_zero = torch.tensor([0.0], requires_grad=True)
+    value = log1m_exp(at_zero)
+    value.backward()
+    assert value.item() == pytest.approx(math.log(1e-30), rel=1e-5) and at_zero.grad.item() == 0.0
     chosen = torch.tensor([-1e-6, -0.3], requires_grad=True)
     output = orpo_loss(chosen, torch.tensor([-2.0, -0.3]), beta=0.1)
     output.loss.backward()
