@@ -24,9 +24,7 @@ from tests.unit.strategies.test_packing_online import (
     minibatch_update,
     ppo_setup,
     ppo_updates,
-    rollout_and_models,  # noqa: F401 (a fixture)
     setup,
-    tokenizer,  # noqa: F401 (a fixture)
 )
 
 # One optimizer step holds the whole rollout (2 prompts x 4 responses = micro-batch 4 x 2 accumulation), so the
@@ -39,7 +37,7 @@ def distinct_prompts(batch: dict) -> int:
     return len({tuple(row) for row in batch["input_ids"][:, :prompt_len].tolist()})
 
 
-def test_grpo_targets_loss_and_gradients_equal_the_plain_forwards(tokenizer, rollout_and_models):  # noqa: F811
+def test_grpo_targets_loss_and_gradients_equal_the_plain_forwards(tokenizer, rollout_and_models):
     result, policy, reference = rollout_and_models
     updates, targets, prompts_per_micro_batch = [], [], []
     for share in (False, True):
@@ -55,7 +53,7 @@ def test_grpo_targets_loss_and_gradients_equal_the_plain_forwards(tokenizer, rol
     assert prompts_per_micro_batch[1] == [1, 1]  # whole groups: each micro-batch of 4 is one prompt's responses
 
 
-def test_online_ppo_policy_reference_and_critic_equal_the_plain_forwards(tokenizer, rollout_and_models):  # noqa: F811
+def test_online_ppo_policy_reference_and_critic_equal_the_plain_forwards(tokenizer, rollout_and_models):
     result, policy, reference = rollout_and_models
     critic = ValueModel(trunk_of(copy.deepcopy(policy)))
     torch.manual_seed(2)
@@ -72,7 +70,7 @@ def test_online_ppo_policy_reference_and_critic_equal_the_plain_forwards(tokeniz
         assert_same_update(plain, shared)
 
 
-def test_behaviour_logprobs_of_the_rollout_equal_the_plain_forward(tokenizer, rollout_and_models):  # noqa: F811
+def test_behaviour_logprobs_of_the_rollout_equal_the_plain_forward(tokenizer, rollout_and_models):
     result, policy, _ = rollout_and_models
     chats = [[{"role": "user", "content": text}] for text in ("1+2=", "30-4+17=")]
     prompts = [render_prompt(tokenizer, chat) for chat in chats]
@@ -85,7 +83,7 @@ def test_behaviour_logprobs_of_the_rollout_equal_the_plain_forward(tokenizer, ro
     torch.testing.assert_close(shared.behaviour_logprobs, result.behaviour_logprobs, atol=1e-5, rtol=0)
 
 
-def test_the_replay_moves_whole_groups_and_every_sequence_once(tokenizer, rollout_and_models):  # noqa: F811
+def test_the_replay_moves_whole_groups_and_every_sequence_once(tokenizer, rollout_and_models):
     result, _, reference = rollout_and_models
     config = online_job("grpo", TINY, rl={"share_prefix": True}, train={"micro_batch_size": 2, "grad_accum_steps": 2})
     strategy = setup(GrpoStrategy(config, tokenizer), config, reference)
