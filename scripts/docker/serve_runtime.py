@@ -17,21 +17,10 @@ import os
 import shlex
 from pathlib import Path
 
-from lib.job_yaml import (
-    JobFileError,
-    check_known_keys,
-    host_path,
-    load_job_file,
-    read_env_file,
-    run_cli,
-    section,
-    text_value,
-)
+from lib.job_yaml import JobFileError, load_job_file, read_env_file, run_cli
+from lib.serve_section import DEFAULT_IMAGE, DEFAULT_PORT, serve_section_variables
 from train_runtime import COMPOSE_DIR, check_devices_all, compose_project, infra_variables, shell_lines
 
-SERVE_KEYS = ("model_dir", "image", "port", "served_model_name", "extra_args")
-DEFAULT_IMAGE = "vllm/vllm-openai:latest"
-DEFAULT_PORT = 8000
 SHARED_INFRA = ("TRAIN_JOB_NAME", "TRAIN_SHM_SIZE", "CUDA_VISIBLE_DEVICES")  # what the server takes from infra:
 
 
@@ -39,34 +28,7 @@ def serve_variables(document: dict, job_file: Path) -> dict[str, str | None]:
     """Variable -> value for each serve: key the YAML sets, plus infra's GPUs, shm size and job name."""
     infra = infra_variables(document, job_file)
     variables = {name: infra[name] for name in SHARED_INFRA if name in infra}
-    serve = section(document, "serve", job_file)
-    check_known_keys(serve, SERVE_KEYS, "serve", job_file)
-    model_dir = text_value(serve, "model_dir", "serve", job_file)
-    if model_dir is not None:
-        variables["SERVE_MODEL_DIR"] = host_path(model_dir, job_file)
-    image = text_value(serve, "image", "serve", job_file)
-    if image is not None:
-        variables["SERVE_IMAGE"] = image
-    port = serve.get("port")
-    if port is not None:
-        if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
-            raise JobFileError(f"{job_file}: serve.port: expected a port number (1-65535), got {port!r}")
-        variables["SERVE_PORT"] = str(port)
-    name = text_value(serve, "served_model_name", "serve", job_file)
-    if name is not None:
-        variables["SERVE_MODEL_NAME"] = name
-    extra_args = serve.get("extra_args")
-    if extra_args is not None:
-        scalars = isinstance(extra_args, list) and all(
-            isinstance(a, (str, int, float)) and not isinstance(a, bool) for a in extra_args
-        )
-        if not scalars:
-            raise JobFileError(
-                f"{job_file}: serve.extra_args: expected a list of arguments like ['--max-model-len', 4096], got "
-                f"{extra_args!r}"
-            )
-        # One string, quoted for the server's `sh -c 'eval set -- ...'`, so each argument arrives intact.
-        variables["SERVE_EXTRA_ARGS"] = shlex.join(str(argument) for argument in extra_args)
+    variables.update(serve_section_variables(document, job_file))
     return variables
 
 

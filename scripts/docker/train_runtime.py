@@ -36,6 +36,7 @@ from lib.job_yaml import (
     section,
     text_value,
 )
+from lib.serve_section import serve_section_variables
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 COMPOSE_DIR = REPOSITORY / "docker"  # compose resolves relative host paths (.env.train values) from here
@@ -43,6 +44,7 @@ DEFAULT_IMAGE = "astrai:latest"
 DEFAULT_CHECKPOINT_DIR = REPOSITORY / "runs" / "docker"  # the compose file's default for TRAIN_CHECKPOINT_DIR
 CONTAINER_OUTPUT = "/output"  # the one writable mount: infra.checkpoint_dir
 CONTAINER_MOUNTS = {CONTAINER_OUTPUT: "TRAIN_CHECKPOINT_DIR", "/data": "TRAIN_DATA", "/models": "TRAIN_MODEL"}
+# The container keys are the wrappers' own: validated here only (the trainer's schema accepts them as given).
 HOST_KEYS = ("job_name", "data", "model", "checkpoint_dir", "gpu", "image", "shm_size")
 # Multi-node keys belong to `python -m astrai launch`, which validates them; accepted here, never used.
 MULTI_NODE_KEYS = ("nodes", "hostfile", "master_addr", "master_port", "launcher", "gpus_per_node")
@@ -120,6 +122,12 @@ def job_environment(document: dict, job_file: Path) -> dict[str, str]:
     return rendered
 
 
+def check_host_sections(document: dict, job_file: Path) -> None:
+    """Fail on the host, not in the container: runtime.environment, and serve:, which only the wrappers check."""
+    job_environment(document, job_file)
+    serve_section_variables(document, job_file)
+
+
 def shell_lines(variables: dict[str, str | None]) -> str:
     """`export NAME=value` per variable, `unset NAME` for None, one per line."""
     lines = [f"unset {name}" if value is None else export_line(name, value) for name, value in variables.items()]
@@ -135,7 +143,7 @@ def plan(document: dict, job_file: Path | None, environ: dict, env_file: dict, *
     """What train.sh needs besides the exports; each value is the YAML's, else the shell's, else the env file's."""
     variables = infra_variables(document, job_file) if job_file else {}
     if job_file:
-        job_environment(document, job_file)  # fail on the host, not in the container
+        check_host_sections(document, job_file)
 
     def effective(name: str) -> str | None:
         if name in variables:
@@ -241,7 +249,7 @@ def main(argv: list[str]) -> str:
         raise JobFileError(f"{args.command} needs the job YAML")
     document = load_job_file(args.job_file) if args.job_file else {}
     if args.command == "exports":
-        job_environment(document, args.job_file)  # validated here too: a bad section fails before any container
+        check_host_sections(document, args.job_file)  # validated here too: a bad section fails before any container
         return shell_lines(infra_variables(document, args.job_file))
     if args.command == "environment":
         return shell_lines(job_environment(document, args.job_file))

@@ -1,12 +1,14 @@
 """Read a job YAML on the host, with python3 and PyYAML only, and render shell for the wrappers.
 
 GPU hosts run scripts/train.sh and scripts/serve.sh without AstrAI installed, so nothing here may
-import astrai, pydantic or torch. Two things of astrai/config are therefore mirrored, and
+import astrai, pydantic or torch. The wrappers own the container keys of `infra:` and the whole `serve:`
+section: the trainer's schema accepts them as given, and only the wrappers check them, each error naming
+the key, before any container starts. Two things of astrai/config are mirrored, and
 tests/unit/docker/test_runtime.py keeps them in step with the originals:
 - the YAML 1.2 scalar rules of astrai/config/loader.py (`2e-5` is a float, `on` is a string), so a
   value renders here exactly as the trainer renders it;
-- the keys of InfraConfig and GpuConfig (astrai/config/schema.py), so a typo fails here, before any
-  container starts, with the key named.
+- the key names of InfraConfig (astrai/config/sections/infra.py), whose multi-node keys
+  `python -m astrai launch` validates.
 """
 
 from __future__ import annotations
@@ -143,7 +145,7 @@ def parse_gpu(infra: dict, source: Path | str) -> tuple[list[int] | str | None, 
 
 
 def render_env_value(value: Any) -> str:
-    """How the trainer renders a runtime.environment value (astrai/train.py apply_environment): str(), null as ''."""
+    """How the trainer renders a runtime.environment value (astrai/launch/environment.py): str(), null as ''."""
     return "" if value is None else str(value)
 
 

@@ -1,7 +1,8 @@
 """Host-side parsers of the Docker wrappers (scripts/docker/train_runtime.py, serve_runtime.py), in process.
 
 They must run on hosts with python3 + PyYAML only, so they mirror parts of astrai/config; the tests
-below also hold those copies to the originals (schema keys, YAML 1.2 scalars, rendering, parts).
+below also hold those copies to the originals (infra key names, YAML 1.2 scalars, rendering, parts). The
+container keys of infra: and the serve: section are the wrappers' alone to check (the trainer accepts them).
 """
 
 from __future__ import annotations
@@ -163,9 +164,9 @@ runtime:
 
 
 def test_environment_renders_like_the_trainer(tmp_path, monkeypatch):
-    """Same text as astrai/train.py apply_environment gives each rank, and safe to eval in bash."""
+    """Same text as astrai/launch/environment.py apply_environment gives each rank, and safe to eval in bash."""
     from astrai.config.loader import parse_yaml
-    from astrai.train import apply_environment
+    from astrai.launch.environment import apply_environment
 
     job = write_job(tmp_path, ENVIRONMENT)
     rendered = train_runtime.job_environment(load_job_file(job), job)
@@ -197,18 +198,46 @@ def test_environment_renders_like_the_trainer(tmp_path, monkeypatch):
 
 
 def test_host_copies_match_astrai():
-    """Keys, defaults and required parts mirrored for hosts without AstrAI agree with the originals."""
-    from astrai.config.schema import GpuConfig, InfraConfig, ServeConfig
+    """Keys and required parts mirrored for hosts without AstrAI agree with the originals."""
+    from astrai.config.schema import InfraConfig
     from astrai.strategies import REGISTRY
 
     assert set(train_runtime.HOST_KEYS + train_runtime.MULTI_NODE_KEYS) == set(InfraConfig.model_fields)
-    assert set(GpuConfig.model_fields) == {"devices", "count"}
-    assert set(serve_runtime.SERVE_KEYS) == set(ServeConfig.model_fields)
-    assert train_runtime.DEFAULT_IMAGE == InfraConfig.model_fields["image"].default
-    assert serve_runtime.DEFAULT_IMAGE == ServeConfig.model_fields["image"].default
-    assert serve_runtime.DEFAULT_PORT == ServeConfig.model_fields["port"].default
     for name, strategy in REGISTRY.items():
         assert train_runtime.REQUIRED_PARTS.get(name, ("policy",)) == tuple(strategy.required_parts), name
+
+
+TRAINER_SECTIONS = "model: {init: {model_type: llama}}\ntokenizer: {build: {}}\ndata: {path: rows.jsonl}\n"
+WRAPPER_VALUES = {  # values of the wrappers' keys that only the wrappers judge: the trainer takes them as given
+    "infra: {gpu: {devices: some}}\n": "infra.gpu.devices: expected `all` or a list",
+    "infra: {gpu: {count: 0}}\n": "infra.gpu.count: expected a positive integer",
+    "infra: {shm_size: lots}\n": "infra.shm_size: expected a size",
+    "infra: {image: 5}\n": "infra.image: expected a non-empty string",
+    "serve: {port: 70000}\n": "serve.port: expected a port number",
+    "serve: {extra_args: --x}\n": "serve.extra_args: expected a list",
+    "serve: {models: x}\n": "serve.models: unknown key",
+}
+
+
+@pytest.mark.parametrize("text", WRAPPER_VALUES)
+def test_wrapper_sections_are_checked_by_the_wrappers(tmp_path, text):
+    """infra's container keys and serve: are the wrappers' own: train.sh refuses a wrong one on the host (serve.sh
+    too), with the key named, while the trainer's schema accepts it as given."""
+    from astrai.config.loader import load_job
+
+    job = write_job(tmp_path, text)
+    with pytest.raises(JobFileError, match=WRAPPER_VALUES[text]):
+        train_runtime.main(["exports", str(job)])
+    trainer_job = write_job(tmp_path, TRAINER_SECTIONS + text, "trainer.yaml")
+    load_job(trainer_job, check_paths=False)
+
+
+def test_trainer_still_refuses_an_unknown_infra_key(tmp_path):
+    from astrai.config.loader import ConfigError, load_job
+
+    trainer_job = write_job(tmp_path, TRAINER_SECTIONS + "infra:\n  gpus: 2\n", "trainer.yaml")
+    with pytest.raises(ConfigError, match=r"trainer.yaml:7: infra.gpus: unknown key"):
+        load_job(trainer_job, check_paths=False)
 
 
 def test_launch_plan_finds_the_checkpoint_to_resume(tmp_path):
