@@ -28,7 +28,7 @@ def _plot(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     import logging
 
-    from astrai.plot import plot_metrics
+    from astrai.observability.plot import plot_metrics
 
     logging.basicConfig(format="astrai plot: %(levelname)s: %(message)s")  # a skipped torn line, say
     try:
@@ -47,20 +47,20 @@ def _verify(argv: list[str]) -> int:
 
 
 def _config_docs(argv: list[str]) -> int:
-    from astrai.config.reference import render_reference
+    from astrai.config.docs import render_reference
 
     sys.stdout.write(render_reference())
     return 0
 
 
 def _export_hf(argv: list[str]) -> int:
-    from astrai.export import export_main
+    from astrai.export.cli import export_main
 
     return export_main(argv)
 
 
 def _launch(argv: list[str]) -> int:
-    from astrai.launch import launch_main
+    from astrai.launch.multinode import launch_main
 
     return launch_main(argv)
 
@@ -72,7 +72,7 @@ def _convert(argv: list[str]) -> int:
 
 
 def _plan(argv: list[str]) -> int:
-    from astrai.plan import plan_main
+    from astrai.launch.memory_plan import plan_main
 
     return plan_main(argv)
 

@@ -1,4 +1,4 @@
-"""Imported first by astrai/train.py and astrai/preflight.py when run as scripts (`deepspeed astrai/train.py`).
+"""Imported first by astrai/train.py when run as a script (`deepspeed astrai/train.py`).
 
 Python then puts astrai/ itself first on sys.path, where our `config`, `data`, ... would shadow any top-level
 module of the same name, and the package `astrai` is not importable; this moves the repository root there

@@ -9,7 +9,8 @@ a mix and never a half-written file:
   renamed in, the parent fsynced, the retired one removed. A failure of the second rename puts the
   earlier one back.
 
-Used by export.py, metrics.py, launch.py, preflight.py and models/tokenizer.py. The checkpoint
+Used by export/, observability/metrics.py, launch/multinode.py, launch/preflight.py, eval/ and
+models/tokenizer.py. The checkpoint
 publisher keeps its own copy of these steps in checkpoint/fs.py and checkpoint/install.py: its crash
 tests replace each step there (`fs.rename`, `fs.fsync_dir`) to assert their order and inject faults,
 and its retired folders follow the checkpoint layout (`cleanup_stale()` restores them). Standard

@@ -16,7 +16,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from astrai.job_checks import load_and_check
+from astrai.launch.job_checks import load_and_check
 
 logger = logging.getLogger("astrai")
 
@@ -48,12 +48,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def apply_environment(environment: dict) -> None:
-    """`runtime.environment`: exported to this job's ranks; values rendered with str(), null as ''."""
-    for key, value in environment.items():
-        os.environ[str(key)] = "" if value is None else str(value)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from astrai.versions import VersionError, check_versions
@@ -63,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     except VersionError as error:
         print(f"astrai: {error}", file=sys.stderr)
         return 1
-    from astrai.launcher_watch import watch_launchers
+    from astrai.launch.launcher_watch import watch_launchers
 
     watch_launchers()  # a rank of DeepSpeed's launcher stops within seconds when that launcher is gone
     from astrai.config import ConfigError
@@ -73,55 +67,31 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"astrai: {error}", file=sys.stderr)
         return 2
-    apply_environment(job.runtime.environment)
 
-    from astrai.build import build_run
     from astrai.config import dump_job
-    from astrai.engine import (
-        all_gather_objects,
-        module_parameters,
-        release_malloc,
-        set_log_format,
-        setup_distributed,
-        shutdown_distributed,
-        tune_malloc,
-        tunes_malloc,
-    )
-    from astrai.engine.distributed import RendezvousError
+    from astrai.engine import module_parameters, release_malloc, tune_malloc, tunes_malloc
     from astrai.errors import AstraiError
-    from astrai.launcher_watch import at_orphan_exit
-    from astrai.preflight import preflight_check, prepare_rank_environment, write_rank_report
-    from astrai.run_lock import agree_on_lock, describe_os_error, lock_for_this_rank
-    from astrai.trainer import TRAIN_LOOPS
+    from astrai.launch.output_lock import describe_os_error
+    from astrai.launch.rank_start import RankStart
+    from astrai.training.build import build_run
+    from astrai.training.loops import TRAIN_LOOPS
 
-    prepare_rank_environment()  # ranks started by mpirun/srun get torch's RANK, WORLD_SIZE, LOCAL_RANK
-    # Before the rendezvous (the launcher's RANK names the rank), so what setup logs (the threads per rank) is shown.
-    set_log_format(int(os.environ.get("RANK", "0")), os.environ.get("ASTR_LOG_LEVEL") or job.runtime.log_level)
-    lock, refusal = lock_for_this_rank(job.output_dir, args.config)  # before anything is written into output_dir
-    at_orphan_exit(lock.release)
-    if refusal is None:
-        try:
-            write_rank_report(job)  # written before the rendezvous, so it exists even if that hangs
-        except OSError as error:  # the first write into output_dir: a file there, read-only, full
-            print(f"astrai: {describe_os_error(error, job.output_dir)}", file=sys.stderr)
-            return 1
-    try:
-        dist = setup_distributed(job.runtime.dist_timeout_s)
-    except RendezvousError as error:
-        logger.error("%s", error)
-        return 1
+    start = RankStart(job, args.config)
+    if (code := start.open()) is not None:
+        return code
+    dist = start.dist
     if job.runtime.tune_malloc is True:
         tune_malloc()
     elif job.runtime.tune_malloc == "auto":  # from the start: a large model's build leaves the heap as it found it
         release_malloc(log=False)
     try:
-        agree_on_lock(refusal, all_gather_objects)  # every rank stops here, together, when output_dir is taken
+        start.agree_on_lock()  # every rank stops here, together, when output_dir is taken
         output_dir = Path(job.output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)
         if dist.is_main:
             (output_dir / "job.yaml").write_text(dump_job(job))
         # One gather of every rank's facts: mismatched versions or missing GPUs stop all ranks together.
-        preflight_check(job, dist, write_rank_report(job, dist))
+        start.preflight()
         run = build_run(job, dist, args.config)
         if job.runtime.tune_malloc == "auto":  # a small model keeps its step's buffers, once its size is known
             parameters = module_parameters(run.engines["policy"].module)
@@ -132,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
                 release_malloc()
         state = TRAIN_LOOPS[run.strategy.loop](run)
         if job.export.on_finish and dist.is_main:
-            from astrai.export import export_finished_run
+            from astrai.export.hf import export_finished_run
 
             logger.info("exported the final policy to %s", export_finished_run(job))
         logger.info("done: %d steps, outputs in %s", state.step, output_dir)
@@ -147,8 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.error("%s", describe_os_error(error, job.output_dir), exc_info=bool(os.environ.get("ASTR_DEBUG")))
         return 1
     finally:
-        shutdown_distributed()
-        lock.release()
+        start.close()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ here at run time, from the installed distribution's metadata (`importlib.metadat
 from pyproject.toml at install) or, where AstrAI runs from a checkout it was never installed from, from that
 checkout's pyproject.toml: they live in one place only.
 
-    check_versions()    # astrai/train.py, astrai/preflight.py and `python -m astrai` tools, first thing:
+    check_versions()    # astrai/train.py, astrai/launch/preflight.py and `python -m astrai` tools, first thing:
                         # VersionError naming a torch, deepspeed or transformers below its floor (or missing)
 
 A pre-release or local build of the floor's own release counts as that release (NGC's torch 2.13.0a0+git...

@@ -246,7 +246,7 @@ def worker(plan: dict) -> int:
                             dist.barrier()  # every rank's files exist before they are shared out for fsync
                             _fsync_share(target, rank, world)
                     elif method.startswith("publish"):
-                        # As astrai.resume.checkpointing writes: streamed, hashed on the way out unless async.
+                        # As astrai.resume.training_checkpoints writes: streamed, hashed on the way out unless async.
                         streamed = (
                             None
                             if method == "publish_reread"

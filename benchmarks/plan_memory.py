@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/plan_memory.py [--sizes small,medium,large]
 
-1. the runtime baseline (astrai/plan.py RUNTIME_BASELINE_BYTES): the peak RSS of a real 3-step run of a
+1. the runtime baseline (astrai/launch/memory_plan.py RUNTIME_BASELINE_BYTES): the peak RSS of a real 3-step run of a
    ~5k-parameter model minus its planned components (data, tokenizer, trainer, allocator included); and,
    for comparison, of a process that only imports torch, deepspeed and astrai and starts a gloo group;
 2. per size: an `sft` job of a Llama built from `model.init`, 3 steps, launched with the real deepspeed
@@ -50,7 +50,8 @@ PEAK_OF_CHILDREN = (
 )
 BASELINE = (
     "import resource, deepspeed, torch, transformers, datasets; "
-    "import astrai.build, astrai.trainer, astrai.strategies, astrai.checkpoint, astrai.preflight, astrai.export; "
+    "import astrai.training.build, astrai.training.loops, astrai.strategies, astrai.checkpoint; "
+    "import astrai.launch.preflight, astrai.export.hf; "
     "from astrai.engine import setup_distributed; setup_distributed(60); "
     "print('PEAK_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, 0)"
 )
@@ -90,7 +91,7 @@ def write_job(folder: Path, init: dict, stage: int) -> Path:
 
 def planned(config: Path, ranks: int) -> dict:
     from astrai.config import load_job
-    from astrai.plan import make_plan
+    from astrai.launch.memory_plan import make_plan
 
     return make_plan(load_job(config), str(config), ranks, None).to_json()
 
@@ -119,7 +120,7 @@ def main() -> None:
             measured = peak_kib([sys.executable, "-c", PEAK_OF_CHILDREN, *launch], env) * 1024
         ratio = plan["host_total"] / measured
         if name == "baseline":
-            from astrai.plan import RUNTIME_BASELINE_BYTES
+            from astrai.launch.memory_plan import RUNTIME_BASELINE_BYTES
 
             components = plan["host_total"] - RUNTIME_BASELINE_BYTES
             print(

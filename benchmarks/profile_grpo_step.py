@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import child_env, fresh_workspace, machine_line  # noqa: E402
 from benchmarks.grpo_vs_trl import astrai_job, prepare  # noqa: E402
 
-LOOP = ("astrai/trainer.py", "train_online")
+LOOP = ("astrai/training/loops.py", "train_online")
 FUNCTIONS = {  # name -> (file suffix, function): cumulative seconds, recursion counted once
     "generate_rollout": ("rollout/generation.py", "generate_rollout"),
     "sample_responses": ("rollout/generation.py", "sample_responses"),
@@ -39,10 +39,10 @@ FUNCTIONS = {  # name -> (file suffix, function): cumulative seconds, recursion 
     "frozen_targets": ("strategies/grpo.py", "frozen_targets"),
     "compute_loss": ("strategies/grpo.py", "compute_loss"),
     "backward": ("engine/engines.py", "backward"),
-    "finish_update": ("astrai/trainer.py", "finish_update"),
+    "finish_update": ("astrai/training/loops.py", "finish_update"),
     "minibatches": ("strategies/online.py", "minibatches"),
-    "close_step": ("astrai/trainer.py", "_close_step"),
-    "global_sums": ("astrai/trainer.py", "_global_sums"),
+    "close_step": ("astrai/training/loops.py", "_close_step"),
+    "global_sums": ("astrai/training/loops.py", "_global_sums"),
 }
 
 
@@ -164,11 +164,11 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    from astrai.build import build_run
     from astrai.engine import setup_distributed, shutdown_distributed, tune_malloc
-    from astrai.job_checks import load_and_check
-    from astrai.train import apply_environment
-    from astrai.trainer import train_online
+    from astrai.launch.environment import apply_environment
+    from astrai.launch.job_checks import load_and_check
+    from astrai.training.build import build_run
+    from astrai.training.loops import train_online
 
     job = load_and_check(str(job_path), args.set)
     apply_environment(job.runtime.environment)

@@ -9,7 +9,7 @@ trainer_overhead.py compares whole launches; on a shared 2-core machine two laun
 program differ by 10-20% in tokens/s, so a 3% target is lost in the noise. Here one launch builds:
     astrai   the run `astrai/train.py` builds (`build_run`: tokenizer, Arrow dataset, strategy, AstrAI's
              engine) and times what its loop times for `tokens_per_s`: collating the micro-batch from the
-             dataset, `astrai.trainer.offline_update` (the loss-weight all-reduce, the sft loss, engine
+             dataset, `astrai.training.loops.offline_update` (the loss-weight all-reduce, the sft loss, engine
              backward and step) and the metric all-reduce; `+log` adds the step's metrics line
              (JSONL, TensorBoard where installed), which the loop runs outside that timing
     deepspeed the plain loop of benchmarks/plain_loop.py: `deepspeed.initialize` of the same model at the
@@ -72,11 +72,11 @@ def worker(plan: dict) -> int:
     import torch
     import torch.distributed as dist
 
-    from astrai.build import build_run
     from astrai.config import load_job
     from astrai.engine import setup_distributed, tune_malloc
-    from astrai.metrics import MetricsLog
-    from astrai.trainer import _global_sums, offline_update
+    from astrai.observability.metrics import MetricsLog
+    from astrai.training.build import build_run
+    from astrai.training.loops import _global_sums, offline_update
     from benchmarks.common import build_model
     from benchmarks.plain_loop import deepspeed_config, loss_of, parameter_groups
 

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 
 from astrai.data.packing import PackingError
-from astrai.data.sampler import ShardedOrder
+from astrai.data.sharded_order import ShardedOrder
 
 
 def row_lengths(dataset) -> list[int]:

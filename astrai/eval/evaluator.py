@@ -1,6 +1,6 @@
 """When an eval runs, what it reports, how it stays out of the run's way, and the checks of `eval:` and
 `checkpoint.keep_best` before any rank starts. The loops call `Evaluator` in two lines; the work is in
-`offline.py` (the offline loop's train types, through `Strategy.eval_sums` / `eval_metrics`) and `online.py`
+`offline.py` (the offline loop's train types, through `Strategy.eval_sums` / `eval_metrics`) and `rollout_eval.py`
 (grpo, online_ppo: generation and rewards).
 
 An eval runs every `eval.every_steps` steps, at the last step of the run, and with `eval.at_start` before the
@@ -19,7 +19,7 @@ from astrai.config import ConfigError
 from astrai.engine import all_reduce_sums
 from astrai.eval.isolation import evaluating
 from astrai.eval.offline import evaluate_offline
-from astrai.eval.online import (
+from astrai.eval.rollout_eval import (
     SAMPLES_FILE,
     append_records,
     online_eval_sums,
@@ -75,7 +75,7 @@ class Evaluator:
         self.run, self.settings = run, run.job.eval
         self.samples_path = run.output_dir / SAMPLES_FILE
         if self.settings is not None and run.dist.is_main and self.samples_path.exists():
-            from astrai.metrics import trim_metrics
+            from astrai.observability.metrics import trim_metrics
 
             trim_metrics(self.samples_path, start_step)  # a resume drops what the interrupted run wrote after it
 

@@ -63,7 +63,7 @@ class RewardModel(nn.Module):
         """input_ids, attention_mask, position_ids: [batch, seq_len], the response right-padded (the prompt may be
         left-padded, with position_ids). Returns rewards [batch] float32.
         cache: a transformers cache holding the prompt's keys and values (`rm.share_prefix`,
-        rollout/shared_prompt.py); input_ids are then the response's columns, attention_mask covers both."""
+        rollout/prefix_scoring.py); input_ids are then the response's columns, attention_mask covers both."""
         hidden = trunk_states(self.trunk, input_ids, attention_mask, position_ids, cache)
         last = last_non_pad_positions(input_ids, self.pad_token_id)
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)

@@ -97,8 +97,8 @@ class ValueModel(nn.Module):
         **attention_keywords,
     ) -> torch.Tensor:
         """input_ids, attention_mask, position_ids: [batch, seq_len]. Returns values [batch, seq_len] float32.
-        attention_keywords: a packed row's boundaries for the trunk's attention (rl.packing, rollout/packed.py).
-        cache: a transformers cache the trunk extends and attends to (rl.share_prefix, rollout/shared_prompt.py);
+        attention_keywords: a packed row's boundaries for the trunk's attention (rl.packing, rollout/packed_scoring.py).
+        cache: a transformers cache the trunk extends and attends to (rl.share_prefix, rollout/prefix_scoring.py);
         without one nothing is cached."""
         hidden = trunk_states(self.trunk, input_ids, attention_mask, position_ids, cache, **attention_keywords)
         return self.value_head(hidden).squeeze(-1).float()

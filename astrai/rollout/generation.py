@@ -3,7 +3,7 @@
 Generation is transformers' `generate` (KV cache, stop at EOS) on the engine's module, with every
 sampling knob set explicitly so that a model's own `generation_config.json` (a repetition penalty,
 a default top_k) cannot change what is sampled. The tokens are drawn by AstrAI's `TokenSampler`
-(`sampler.py`: inverse-CDF sampling over transformers' own temperature/top_k/top_p warpers, ~8x
+(`token_sampler.py`: inverse-CDF sampling over transformers' own temperature/top_k/top_p warpers, ~8x
 cheaper than generate's `torch.multinomial` on a CPU), inside generate running greedily.
 
 Behaviour log-probs, and how sampling-vs-training mismatch is handled: the log-probs the importance
@@ -29,7 +29,7 @@ so that a rank whose responses all ended keeps stepping while others generate (e
 partitioned module is a collective); its hooks make it ~5x slower on a CPU.
 
 One prefill per prompt group (`rollout.share_prefill`, default on): the distinct prompts run one forward and
-their KV cache is repeated to the group before generate decodes (`shared_prefill.py`); same tokens for the
+their KV cache is repeated to the group before generate decodes (`group_prefill.py`); same tokens for the
 same seed as prefilling every copy.
 
 Sampling randomness: each rollout draws from its own seed, `sampling_seed(seed, step, rank)`, in a
@@ -45,11 +45,11 @@ import torch
 import torch.distributed as dist
 
 from astrai.models.lora import is_lora_model
+from astrai.rollout.group_prefill import group_prefill_cache, shares_prefill
 from astrai.rollout.prompts import Prompts
-from astrai.rollout.sampler import TokenSampler
 from astrai.rollout.scoring import ScoringForward
 from astrai.rollout.sequences import join_sequences, left_pad, response_mask, truncated_rows
-from astrai.rollout.shared_prefill import group_prefill_cache, shares_prefill
+from astrai.rollout.token_sampler import TokenSampler
 
 SEED_MODULUS = 2**63 - 1
 
@@ -190,7 +190,7 @@ def sample_responses(
     sampler: the TokenSampler generate calls at every step (pass one built with keep_logprobs to read the
     sampler's behaviour log-probs afterwards); by default one without. group_size: the prompt rows are
     groups of this many identical rows; with `settings.share_prefill` each group's prompt is prefilled once
-    (`shared_prefill.py`)."""
+    (`group_prefill.py`)."""
     from transformers import LogitsProcessorList
 
     if sampler is None:

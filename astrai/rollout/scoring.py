@@ -6,9 +6,9 @@ lives in which variant that is, never in keywords threaded through the calls:
 
     PlainForward          one forward over prompt ++ response [N, P + R] (the LM head over the last R + 1
                           columns where the model takes `logits_to_keep`)
-    PackedForward         rl.packing: one packed row of the attended tokens only (rollout/packed.py)
+    PackedForward         rl.packing: one packed row of the attended tokens only (rollout/packed_scoring.py)
     SharedPrefixForward   rl.share_prefix: each distinct prompt run once, the responses against its keys and
-                          values (rollout/shared_prompt.py); a model it cannot serve takes the plain forward
+                          values (rollout/prefix_scoring.py); a model it cannot serve takes the plain forward
 
 All give the same numbers up to float rounding. The object also holds what the job fixes for every scoring:
 the sampling temperature and the tokenizer's vocabulary (the distribution the tokens were drawn from),
@@ -29,8 +29,8 @@ from astrai.algos.logprobs import real_vocabulary, token_logprobs
 from astrai.algos.ppo import entropy_from_logits
 from astrai.models.output_head import chunked_token_statistics
 from astrai.models.policy import forward_parameters
-from astrai.rollout.packed import packed_response_forward, packed_response_values
-from astrai.rollout.shared_prompt import cache_consumed, shared_prompt_forward, shared_prompt_inputs, shares_prompt
+from astrai.rollout.packed_scoring import packed_response_forward, packed_response_values
+from astrai.rollout.prefix_scoring import cache_consumed, shared_prompt_forward, shared_prompt_inputs, shares_prompt
 
 Sequences = dict[str, torch.Tensor]
 # The sequence indices of each no-gradient forward over a rank's sequences (see `forward_batches`).
@@ -177,7 +177,7 @@ class PlainForward(ScoringForward):
 
 
 class PackedForward(ScoringForward):
-    """rl.packing: one forward without the padding, its outputs put back at [N, R] (rollout/packed.py). The
+    """rl.packing: one forward without the padding, its outputs put back at [N, R] (rollout/packed_scoring.py). The
     chunked output layer is not used here: the packed forward keeps only the scored positions already."""
 
     name = "packed"
@@ -192,7 +192,7 @@ class PackedForward(ScoringForward):
 
 class SharedPrefixForward(PlainForward):
     """rl.share_prefix: a prefix forward of the distinct prompts, then the responses against their keys and
-    values (rollout/shared_prompt.py). A model `shares_prompt` refuses (sliding windows, forward options,
+    values (rollout/prefix_scoring.py). A model `shares_prompt` refuses (sliding windows, forward options,
     gradient checkpointing in training) takes the plain forward; every rank decides alike."""
 
     name = "shared_prefix"

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from astrai.models.policy import router_aux_loss_coef
-from astrai.run import Run
 from astrai.train_types import TrainTypeRules
+
+if TYPE_CHECKING:  # Run holds the strategy: named for annotations only, the strategies never import training/
+    from astrai.training.run_parts import Run
 
 
 @dataclass

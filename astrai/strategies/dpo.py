@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import TYPE_CHECKING
 
 import datasets
 import torch
@@ -29,10 +30,12 @@ from astrai.data.packing import is_packed, model_inputs, pack_sequences, segment
 from astrai.data.render import preference_batch
 from astrai.engine import all_gather_objects
 from astrai.models.output_head import chunked_token_statistics, next_token_labels
-from astrai.run import Run
 from astrai.strategies.base import StepOutput, Strategy, register
-from astrai.strategies.reference import build_reference
+from astrai.strategies.frozen_reference import build_reference
 from astrai.train_types import DpoRules
+
+if TYPE_CHECKING:  # Run holds the strategy: named for annotations only, the strategies never import training/
+    from astrai.training.run_parts import Run
 
 logger = logging.getLogger("astrai.dpo")
 REFERENCE_COLUMNS = ("reference_chosen_logps", "reference_rejected_logps")

@@ -30,6 +30,8 @@ Departures from the paper, and defaults:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from astrai.algos.advantages import discounted_returns, grpo_advantages, kl_shaped_rewards, rloo_advantages
@@ -37,11 +39,13 @@ from astrai.algos.kl import kl_estimate
 from astrai.algos.masked import global_standardize, masked_sum
 from astrai.algos.ppo import broadcast_sequence_advantages, ppo_policy_loss
 from astrai.rollout import RolloutResult
-from astrai.run import Run
 from astrai.strategies.base import StepOutput, register
-from astrai.strategies.online import OnlineStrategy
+from astrai.strategies.online_base import OnlineStrategy
 from astrai.strategies.targets import Targets
 from astrai.train_types import GrpoRules
+
+if TYPE_CHECKING:  # Run holds the strategy: named for annotations only, the strategies never import training/
+    from astrai.training.run_parts import Run
 
 
 @register

@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -43,11 +44,13 @@ from astrai.algos.kl import kl_estimate
 from astrai.algos.masked import global_standardize, masked_sum
 from astrai.algos.ppo import ppo_policy_loss, value_loss
 from astrai.rollout import RolloutResult
-from astrai.run import Run
 from astrai.strategies.base import StepOutput, register
-from astrai.strategies.online import OnlineStrategy
+from astrai.strategies.online_base import OnlineStrategy
 from astrai.strategies.targets import Targets
 from astrai.train_types import OnlinePpoRules
+
+if TYPE_CHECKING:  # Run holds the strategy: named for annotations only, the strategies never import training/
+    from astrai.training.run_parts import Run
 
 logger = logging.getLogger("astrai.ppo")
 

@@ -30,8 +30,8 @@ from astrai.config import ConfigError
 from astrai.data import render_rows
 from astrai.data.collate import pad_right
 from astrai.data.reward_pairs import reward_pair_batch
+from astrai.rollout.prefix_scoring import shared_prompt_inputs, shares_prompt
 from astrai.rollout.sequences import join_sequences, left_pad
-from astrai.rollout.shared_prompt import shared_prompt_inputs, shares_prompt
 from astrai.strategies.base import StepOutput, Strategy, register
 from astrai.train_types import RmRules
 
@@ -142,7 +142,7 @@ class RewardModelStrategy(Strategy):
 
 def _rewards(policy, batch: dict) -> torch.Tensor:
     """[2B] rewards of a collated batch. A split batch (`rm.share_prefix`) runs each distinct prompt once and
-    the completions against its keys and values (rollout/shared_prompt.py, prefix = the whole prompt), or, for a
+    the completions against its keys and values (rollout/prefix_scoring.py, prefix = the whole prompt), or, for a
     model that cannot share a cache, one plain forward of the left-padded rows with their positions."""
     if "response_ids" not in batch:
         return policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])

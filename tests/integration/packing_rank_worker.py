@@ -114,8 +114,8 @@ def online_results(run, all_reduce_sum, all_gather_objects) -> dict[str, dict]:
 
 
 def train_one_step(run) -> dict:
-    """rl.packing's real loop (astrai/trainer.py) for the job's step: the optimizer steps DeepSpeed took."""
-    from astrai.trainer import train_online
+    """rl.packing's real loop (astrai/training/loops.py) for the job's step: the optimizer steps DeepSpeed took."""
+    from astrai.training.loops import train_online
 
     run.job.rl.packing = True
     before = run.engines["policy"].global_steps
@@ -139,7 +139,6 @@ def main() -> int:
     args = parser.parse_args()
     plan = json.loads(open(args.plan).read())
 
-    from astrai.build import build_run
     from astrai.data.packing import attention_of
     from astrai.engine import (
         all_gather_objects,
@@ -148,7 +147,8 @@ def main() -> int:
         setup_distributed,
         shutdown_distributed,
     )
-    from astrai.job_checks import load_and_check
+    from astrai.launch.job_checks import load_and_check
+    from astrai.training.build import build_run
 
     dist = setup_distributed(120)
     set_log_format(dist.rank, "WARNING")

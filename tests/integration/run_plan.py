@@ -29,11 +29,11 @@ def main() -> int:
     args = parser.parse_args()
     plan = json.loads(open(args.plan).read())
 
-    from astrai.build import build_run
     from astrai.engine import barrier, set_log_format, setup_distributed, shutdown_distributed
-    from astrai.export import export_finished_run
-    from astrai.job_checks import load_and_check
-    from astrai.trainer import TRAIN_LOOPS
+    from astrai.export.hf import export_finished_run
+    from astrai.launch.job_checks import load_and_check
+    from astrai.training.build import build_run
+    from astrai.training.loops import TRAIN_LOOPS
 
     dist = setup_distributed(120)
     set_log_format(dist.rank, "WARNING")

@@ -2,8 +2,8 @@
 
 For each architecture a tiny model is built from a `model.init` block with the char tokenizer of the
 shipped arithmetic chats (as configs/quickstart.yaml does): one sft step (ZeRO-2 on 2 ranks, ZeRO-3 on 1)
-that publishes a checkpoint and exports it on finish (`export.on_finish`, astrai.export on rank 0), then one grpo step
-that starts from that export (`model.path`) with a tiny rollout. The test process then checks that the
+that publishes a checkpoint and exports it on finish (`export.on_finish`, astrai.export.hf on rank 0), then one grpo
+step that starts from that export (`model.path`) with a tiny rollout. The test process then checks that the
 exported folder, loaded with plain `AutoModelForCausalLM.from_pretrained`, gives the logits of the
 checkpoint's consolidated weights loaded into the model `build_policy` builds (independent of the export
 code), and that the grpo step's metrics are finite with a real gradient. Both jobs compute their log-probs

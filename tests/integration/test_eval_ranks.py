@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from astrai.build import build_run
-from astrai.job_checks import load_and_check
-from astrai.trainer import TRAIN_LOOPS
+from astrai.launch.job_checks import load_and_check
+from astrai.training.build import build_run
+from astrai.training.loops import TRAIN_LOOPS
 from tests.conftest import REPO
 from tests.integration.plan import launch_plan, metrics
 

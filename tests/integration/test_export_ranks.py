@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from astrai.export import export_checkpoint
+from astrai.export.hf import export_checkpoint
 from tests.conftest import launch_ranks
 
 pytestmark = pytest.mark.slow

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from astrai.checkpoint import list_published
-from astrai.run_lock import RECORD_NAME
+from astrai.launch.output_lock import RECORD_NAME
 from tests.conftest import REPO, child_env, deepspeed_launcher, free_port, launch_ranks
 
 pytestmark = pytest.mark.slow

@@ -134,7 +134,7 @@ def test_converted_form_sits_next_to_the_untouched_original(runs, source, world_
 
 def test_export_reads_the_portable_form(runs, tmp_path):
     """export-hf of the portable form writes the same model as export-hf of the original ZeRO-3 shards."""
-    from astrai.export import export_checkpoint
+    from astrai.export.hf import export_checkpoint
 
     folder, _, _ = runs
     original = folder / "w2z3" / STEP4

@@ -2,7 +2,7 @@
 
 For each case (a tied Qwen2, an untied Llama and a GPT-2 policy; the reference and the critic built from
 the Qwen2 one), builds the model whole and then partitioned under ZeRO-3 (`model.zero3_init`, the
-builders of astrai/build.py and strategies/reference.py),
+builders of astrai/training/build.py and strategies/frozen_reference.py),
 each right after seeding as a run does, gathers the partitioned parameters and compares every one, and
 every buffer, with the whole build's bit for bit; and the RNG state each build leaves. Writes
 `<results_dir>/rank<R>.json`.
@@ -17,11 +17,12 @@ from pathlib import Path
 
 import torch
 
-from astrai.build import build_critic_module, build_policy_model, engine_config
 from astrai.config import JobConfig
 from astrai.engine import DistInfo, setup_distributed
 from astrai.models.tokenizer import build_tokenizer, set_pad_token
-from astrai.strategies.reference import reference_model
+from astrai.strategies.engine_settings import engine_config
+from astrai.strategies.frozen_reference import reference_model
+from astrai.training.build import build_critic_module, build_policy_model
 
 CASES = {
     "qwen2_tied": {
@@ -82,7 +83,7 @@ def compare(whole: dict, partitioned: dict) -> list[str]:
 
 def build(kind: str, job: JobConfig, tokenizer, world_size: int) -> tuple[torch.nn.Module, torch.Tensor]:
     torch.manual_seed(job.train.seed)  # build_run's seed_everything
-    ds_config = engine_config(job, "worker", lr=1e-3, max_grad_norm=1.0, world_size=world_size)
+    ds_config = engine_config(job, "worker", world_size=world_size)
     if kind == "policy":
         model = build_policy_model(job, ds_config, tokenizer)
     elif kind == "reference":

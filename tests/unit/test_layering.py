@@ -1,12 +1,14 @@
 """The package's layering, read from the source with `ast` (nothing is imported).
 
 Rules (docs/developer/architecture.md): DeepSpeed only under astrai/engine/; astrai/algos pure torch;
-astrai/checkpoint knows nothing of training; no import circle among astrai's subpackages and
-top-level modules; no `train_type` tested against a name outside astrai/strategies/ (a train type's facts
-live in its strategy, or below it in astrai/train_types.py). Function-level (lazy) imports count too: a
-lazy import still ties the two modules together, it only hides the circle until run time. Imports under
-`if TYPE_CHECKING:` do not: they never run, they only name a type for annotations (run.py names the Strategy
-it holds that way).
+astrai/checkpoint knows nothing of training; every import goes down the layers of `LAYERS` (so no circle among
+astrai's packages and top-level modules, and the launcher never imports the trainer); at most 8 modules
+directly in astrai/; a checkpoint's weights are read without the export's command line; no `train_type` tested
+against a name outside astrai/strategies/ (a train type's facts live in its strategy, or below it in
+astrai/train_types.py); no file over `LINE_BUDGET` lines but the ones named. Function-level (lazy) imports
+count too: a lazy import still ties the two modules together, it only hides the circle until run time.
+Imports under `if TYPE_CHECKING:` do not: they never run, they only name a type for annotations (the
+strategies name `Run` of astrai/training/run_parts.py that way).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "astrai"
-TRAINING_SIDE = ("strategies", "trainer", "build", "resume", "engine")
+TRAINING_SIDE = ("strategies", "training", "resume", "engine")
+REPO = PACKAGE.parent
 
 
 def _modules() -> dict[str, Path]:
@@ -57,7 +60,7 @@ def _imports(name: str, path: Path) -> list[tuple[str, int]]:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
             found.append((base, node.lineno))
-            if base == "astrai":  # `from astrai import trainer` imports the module astrai.trainer
+            if base == "astrai":  # `from astrai import trainer` imports the module astrai.training.loops
                 found += [(f"astrai.{alias.name}", node.lineno) for alias in node.names]
     return found
 
@@ -157,6 +160,106 @@ def test_no_import_circle_among_the_subpackages():
     if cycle:
         steps = [f"{a} -> {b} ({witness[a, b]})" for a, b in zip(cycle, cycle[1:])]
         raise AssertionError("import circle among astrai's packages:\n" + "\n".join(steps))
+
+
+# The units of astrai/ (a subpackage or a top-level module), lowest layer first. A module imports its own unit
+# or a unit of a LOWER layer, never one of its own layer or above: the direction of every edge is fixed, so
+# no circle can form, and a new package must be placed here. Why this order, bottom-up: export reads a
+# checkpoint's weights (resume's portable form among them); the strategies start a model from them
+# (model.init_from_checkpoint, the reference); eval asks the strategies for figures; the launcher's checks
+# and planner ask strategies and eval what a job needs, so launch sits above them; training's loops use the
+# launcher watch, resume, eval; the two entry programs sit on top.
+LAYERS = [
+    ("errors", "train_types", "safe_write", "_script_path"),
+    ("versions", "config", "algos", "data", "checkpoint", "observability"),
+    ("engine", "models"),
+    ("rollout", "resume"),
+    ("export",),
+    ("strategies",),
+    ("eval",),
+    ("launch",),
+    ("training",),
+    ("train", "__main__"),
+]
+MAX_TOP_LEVEL_MODULES = 8
+
+
+def _layer_of() -> dict[str, int]:
+    return {f"astrai.{unit}": layer for layer, units in enumerate(LAYERS) for unit in units}
+
+
+def test_every_unit_has_a_layer():
+    units = {_unit(module) for module in _modules()} - {None}
+    missing = sorted(units - set(_layer_of()))
+    assert not missing, f"place these in LAYERS (tests/unit/test_layering.py): {missing}"
+
+
+def test_imports_go_down_the_layers():
+    layer = _layer_of()
+    offenders = [
+        f"{_where(name, line)}: {_unit(name)} (layer {layer[_unit(name)]}) imports {target} "
+        f"(layer {layer[_unit(target)]})"
+        for name, target, line in _all_imports()
+        if _unit(name) in layer
+        and _unit(target) in layer
+        and _unit(name) != _unit(target)
+        and layer[_unit(target)] >= layer[_unit(name)]
+    ]
+    assert not offenders, "an import that does not go down LAYERS:\n" + "\n".join(offenders)
+
+
+def test_few_modules_directly_in_the_package():
+    top = sorted(path.name for path in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, f"{len(top)} modules directly in astrai/ (group them): {top}"
+
+
+def test_every_package_has_an_init():
+    """pyproject's `packages.find` installs only folders with an __init__.py: one without imports from a
+    checkout (a namespace package) and is missing from the installed wheel."""
+    folders = {path.parent for path in PACKAGE.rglob("*.py") if "__pycache__" not in path.parts}
+    missing = sorted(str(folder.relative_to(REPO)) for folder in folders if not (folder / "__init__.py").is_file())
+    assert not missing, f"folders without __init__.py: {missing}"
+
+
+def test_checkpoint_weights_are_read_without_the_export_command_line():
+    """astrai/export/weights.py serves the model build (model.init_from_checkpoint, the reference): it imports
+    neither the export's writer nor its command line (argparse, tqdm), and only the entry points and the
+    export itself import astrai.export.cli."""
+    banned = {"astrai.export.hf", "astrai.export.cli", "argparse", "tqdm"}
+    offenders = [
+        f"{_where(name, line)} imports {target}"
+        for name, target, line in _all_imports()
+        if (name == "astrai.export.weights" and target in banned)
+        or (target == "astrai.export.cli" and _unit(name) not in ("astrai.__main__", "astrai.export"))
+    ]
+    assert not offenders, "the checkpoint-weights path reaches the export's CLI:\n" + "\n".join(offenders)
+
+
+# ----------------------------------------------------------------------------- file sizes
+
+LINE_BUDGET = 500
+# Files allowed past LINE_BUDGET, each with its ceiling and why; a file here must not grow past its ceiling.
+LINE_BUDGET_EXCEPTIONS: dict[str, tuple[int, str]] = {
+    "astrai/resume/training_checkpoints.py": (545, "what a job's checkpoint holds, save and resume in one reading"),
+    "astrai/engine/engines.py": (510, "the Engine / FrozenEngine pair and the ZeRO-3 sampling copy they share"),
+    "tests/unit/launch/test_launch.py": (770, "one launcher's exact commands per launcher kind, table-driven"),
+    "tests/unit/checkpoint/test_publish.py": (580, "the publisher's phases, each crash point asserted in order"),
+    "tests/integration/test_failure_matrix.py": (525, "one table of failure cases run in one launch"),
+    "benchmarks/gpu_check.py": (515, "the one-GPU validation as one script (scripts/gpu_check.sh runs it)"),
+    "benchmarks/checkpoint_cost.py": (520, "one benchmark script, run standalone"),
+}
+
+
+def test_files_keep_to_the_line_budget():
+    offenders = []
+    for folder in ("astrai", "tests", "benchmarks", "scripts"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            relative = str(path.relative_to(REPO))
+            lines = len(path.read_text().splitlines())
+            ceiling, _ = LINE_BUDGET_EXCEPTIONS.get(relative, (LINE_BUDGET, ""))
+            if lines > ceiling:
+                offenders.append(f"{relative}: {lines} lines (at most {ceiling})")
+    assert not offenders, "split these files:\n" + "\n".join(offenders)
 
 
 # ----------------------------------------------------------------------------- train-type facts

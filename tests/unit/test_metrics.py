@@ -6,8 +6,8 @@ import json
 import subprocess
 import sys
 
-from astrai.metrics import MetricsLog, read_metrics, trim_metrics
-from astrai.plot import numeric_series
+from astrai.observability.metrics import MetricsLog, read_metrics, trim_metrics
+from astrai.observability.plot import numeric_series
 from tests.conftest import REPO, child_env
 
 

@@ -7,10 +7,10 @@ import struct
 import subprocess
 import sys
 
-from astrai.plot import numeric_series, panel_layout, training_first
+from astrai.observability.plot import numeric_series, panel_layout, training_first
 from tests.conftest import REPO, child_env
 
-DPI, PANEL_WIDTH, PANEL_HEIGHT = 100, 4.5, 3  # astrai/plot.py's figure: 3 panels a row
+DPI, PANEL_WIDTH, PANEL_HEIGHT = 100, 4.5, 3  # astrai/observability/plot.py's figure: 3 panels a row
 
 
 def write_metrics(folder, with_eval: bool) -> None:

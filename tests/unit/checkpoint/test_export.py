@@ -1,4 +1,4 @@
-"""Hugging Face export (`astrai/export.py`) of a real checkpoint written by the real trainer.
+"""Hugging Face export (`astrai/export/hf.py`) of a real checkpoint written by the real trainer.
 
 One tiny SFT run (one process, ~10 s) writes checkpoints at steps 3 and 5 for the whole module. The
 reference for every logits check is independent of the export code path: DeepSpeed's consolidated
@@ -20,8 +20,10 @@ import yaml
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from astrai import export
-from astrai.export import ExportError, export_checkpoint, export_finished_run, export_main, resolve_checkpoint
+from astrai.export import hf as export
+from astrai.export.cli import export_main
+from astrai.export.hf import export_checkpoint, export_finished_run
+from astrai.export.weights import ExportError, resolve_checkpoint
 from tests.conftest import REPO, child_env, python, run_bounded
 
 TINY_RUN = [
@@ -175,10 +177,10 @@ def test_fp16_export_by_the_cli_loads_and_gives_the_fp32_logits_within_fp16_roun
 def test_exported_tokenizer_encodes_and_renders_chats_as_in_training(exported, checkpoint, tmp_path):
     """Against the tokenizer as training made it (`make_tokenizer`: built in memory from the data),
     through the training's own rendering (`chat_ids_and_mask`), on real rows and a multi-turn chat."""
-    from astrai.build import make_tokenizer
     from astrai.config import load_job
     from astrai.data.render import chat_ids_and_mask, row_messages
     from astrai.data.sources import load_rows
+    from astrai.training.build import make_tokenizer
 
     job = load_job(checkpoint / "job.yaml", check_paths=False)
     rows = load_rows(str(REPO / job.data.path), job.data.format, tmp_path / "cache")

@@ -37,8 +37,8 @@ import torch
 from astrai.checkpoint import CheckpointError, read_manifest, verify_checkpoint, verify_main
 from astrai.checkpoint.hashing import hash_file
 from astrai.checkpoint.manifest import write_manifest
-from astrai.export import export_main
-from astrai.rng_state import capture_rng, decode_rng, restore_rng
+from astrai.export.cli import export_main
+from astrai.resume.rng_state import capture_rng, decode_rng, restore_rng
 from tests.conftest import REPO, child_env, run_bounded
 from tests.integration.plan import write_job
 
@@ -69,15 +69,15 @@ def trained(tmp_path_factory, one_rank) -> dict:
 
 
 def build(config: str, dist, *overrides: str):
-    from astrai.build import build_run
-    from astrai.job_checks import load_and_check
+    from astrai.launch.job_checks import load_and_check
+    from astrai.training.build import build_run
 
     job = load_and_check(config, list(overrides))
     return build_run(job, dist, config)
 
 
 def train(config: str, dist, *overrides: str):
-    from astrai.trainer import TRAIN_LOOPS
+    from astrai.training.loops import TRAIN_LOOPS
 
     run = build(config, dist, *overrides)
     return TRAIN_LOOPS[run.strategy.loop](run)
@@ -85,7 +85,7 @@ def train(config: str, dist, *overrides: str):
 
 def resume(job: dict, dist, *overrides: str):
     """What a resume of the copied job loads: (TrainerState, the run)."""
-    from astrai.resume.checkpointing import TrainingCheckpoints
+    from astrai.resume.training_checkpoints import TrainingCheckpoints
 
     run = build(job["config"], dist, job["data"], *SETTINGS, f"output_dir={job['output_dir']}", *overrides)
     return TrainingCheckpoints(run).resume(), run

@@ -110,7 +110,7 @@ def test_export_goes_under_the_output_dir_unless_given(tmp_path):
 def test_export_never_targets_the_output_dir_or_a_folder_holding_it(tmp_path):
     """export.on_finish replaces export.hf_dir whole: pointing it at the run (or above it) fails before any rank
     starts; a checkpoint's job.yaml that does (an older run) still loads, so that it can be exported elsewhere."""
-    from astrai.job_checks import load_and_check
+    from astrai.launch.job_checks import load_and_check
 
     for destination in (tmp_path / "out", tmp_path):
         with pytest.raises(ConfigError, match=r"`export.hf_dir` .* is or contains `output_dir`: the export at the end"):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from astrai.config.reference import iter_keys, render_reference
+from astrai.config.docs import iter_keys, render_reference
 from tests.conftest import REPO
 
 

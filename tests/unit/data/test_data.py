@@ -10,7 +10,7 @@ import pytest
 from astrai.data import DataError, tokenize_rows
 from astrai.data.collate import collate_token_rows
 from astrai.data.render import RowError, chat_ids_and_mask, pack_batch, preference_batch, row_messages, sft_batch
-from astrai.data.sampler import ShardedOrder
+from astrai.data.sharded_order import ShardedOrder
 from astrai.data.sources import load_rows
 from astrai.models.tokenizer import build_tokenizer
 

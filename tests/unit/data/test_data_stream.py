@@ -1,4 +1,4 @@
-"""One owner of the data position (`astrai.run.DataStream`): what a run draws is what it saves, and a restored
+"""One owner of the data position (`astrai.data.stream.DataStream`): what a run draws is what it saves, and a restored
 stream draws the very next prompts an uninterrupted one would. Pure on a hand-made order, then through a real
 grpo run on a one-rank DeepSpeed group: train, checkpoint, resume."""
 
@@ -8,12 +8,12 @@ import json
 
 import datasets
 
-from astrai.build import build_run
 from astrai.config import load_job
-from astrai.data.sampler import ShardedOrder
-from astrai.resume.checkpointing import TrainingCheckpoints
-from astrai.run import DataStream
-from astrai.trainer import train_online
+from astrai.data.sharded_order import ShardedOrder
+from astrai.data.stream import DataStream
+from astrai.resume.training_checkpoints import TrainingCheckpoints
+from astrai.training.build import build_run
+from astrai.training.loops import train_online
 from tests.conftest import REPO
 
 

@@ -10,9 +10,9 @@ import datasets
 import pyarrow as pa
 import pytest
 
-from astrai.build import build_run
 from astrai.config import load_job
 from astrai.data.sources import DataError, find_files, load_rows
+from astrai.training.build import build_run
 from tests.conftest import REPO
 
 CHATS = [json.loads(line) for line in (REPO / "data/arithmetic/sft.jsonl").read_text().splitlines()[:12]]

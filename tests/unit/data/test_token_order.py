@@ -10,13 +10,13 @@ import random
 import datasets
 import pytest
 
-from astrai.build import build_run
 from astrai.config import load_job
 from astrai.data.packing import PackingError
-from astrai.data.sampler import ShardedOrder
+from astrai.data.sharded_order import ShardedOrder
+from astrai.data.stream import DataStream
 from astrai.data.token_order import TokenBalancedOrder
-from astrai.run import DataStream
-from astrai.trainer import TRAIN_LOOPS
+from astrai.training.build import build_run
+from astrai.training.loops import TRAIN_LOOPS
 from tests.conftest import REPO
 
 random.seed(0)

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from astrai.build import engine_config
 from astrai.config import load_job
 from astrai.engine.buckets import DEEPSPEED_DEFAULTS
 from astrai.engine.ds_config import check_ds_config
-from astrai.plan import make_plan
+from astrai.launch.memory_plan import make_plan
+from astrai.strategies.engine_settings import engine_config
 from tests.conftest import REPO
 
 HIDDEN = 64
@@ -44,7 +44,7 @@ def job_file(folder: Path, deepspeed: dict, init: dict | None = None) -> Path:
 
 
 def resolved(path: Path, world_size: int = 2) -> dict:
-    config = engine_config(load_job(path), str(path), lr=1e-3, max_grad_norm=1.0, world_size=world_size)
+    config = engine_config(load_job(path), str(path), world_size=world_size)
     check_ds_config(config, "test")  # what DeepSpeed would accept
     return config["zero_optimization"]
 

@@ -15,14 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from astrai.build import build_run
 from astrai.config import ConfigError
 from astrai.data.sources import load_rows
-from astrai.export import export_main
-from astrai.init_from_checkpoint import load_checkpoint_weights
-from astrai.job_checks import load_and_check
+from astrai.export.cli import export_main
+from astrai.export.weights import load_checkpoint_weights
+from astrai.launch.job_checks import load_and_check
 from astrai.strategies.dpo import completion_logprobs
-from astrai.trainer import TRAIN_LOOPS
+from astrai.training.build import build_run
+from astrai.training.loops import TRAIN_LOOPS
 from tests.conftest import REPO
 
 LLAMA = (
@@ -314,7 +314,7 @@ def test_a_resume_drops_eval_samples_written_after_its_checkpoint(one_rank, fold
 
 
 def test_the_progress_bar_keeps_showing_the_last_eval_figure(tmp_path):
-    from astrai.metrics import MetricsLog
+    from astrai.observability.metrics import MetricsLog
 
     log = MetricsLog(tmp_path, is_main=True, total_steps=3, start_step=0, tensorboard=False, progress_bar=True)
     log.log(1, {"loss": 2.5, "eval/loss": 2.25, "eval/perplexity": 9.49, "eval_s": 0.1})

@@ -1,4 +1,5 @@
-"""`python -m astrai launch` (astrai/launch.py) and the rank-side report and preflight (astrai/preflight.py).
+"""`python -m astrai launch` (astrai/launch/multinode.py) and the rank-side report and preflight
+(astrai/launch/preflight.py).
 
 Dry runs check the exact DeepSpeed command of each launcher. The environment file is checked against
 DeepSpeed's real runner: it is started with fake `ssh`/`pdsh`/`mpirun`/`srun` programs that record what
@@ -18,10 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from astrai import launch, preflight
 from astrai.engine import DistInfo
-from astrai.launch import LaunchError, launch_main
-from astrai.preflight import PreflightError
+from astrai.launch import environment as rank_environment
+from astrai.launch import multinode as launch
+from astrai.launch import preflight
+from astrai.launch.multinode import LaunchError, launch_main
+from astrai.launch.preflight import PreflightError
 from tests.conftest import REPO, child_env
 
 DEEPSPEED = launch.deepspeed_program()
@@ -189,7 +192,7 @@ def test_check_starts_the_preflight_instead_of_training(tmp_path, capsys, resolv
     config = write_job(tmp_path, TWO_NODES.format(launcher="pdsh"))
     code, out, _ = dry_run(capsys, config, "--check")
     flags = ["--master_addr", "node-a", "--master_port", "29500", "--launcher", "pdsh", "--force_multi"]
-    assert code == 0 and out == expected(tmp_path, flags, script=str(REPO / "astrai" / "preflight.py"))
+    assert code == 0 and out == expected(tmp_path, flags, script=str(REPO / "astrai" / "launch" / "preflight.py"))
 
 
 def test_a_hostfile_is_read_relative_to_the_job_and_rewritten(tmp_path, capsys, resolver):
@@ -286,7 +289,7 @@ def test_an_invalid_job_is_one_message_and_status_2(tmp_path, capsys):
 
 def test_environment_is_rendered_as_train_py_exports_it(monkeypatch):
     from astrai.config import parse_yaml
-    from astrai.train import apply_environment
+    from astrai.launch.environment import apply_environment
 
     environment = parse_yaml(ENVIRONMENT)["runtime"]["environment"]
     values, warnings = launch.check_environment(environment, "pdsh")
@@ -340,7 +343,7 @@ def test_nccl_variables_of_this_shell_reach_no_rank_unless_the_job_lists_them(tm
         "in runtime.environment" in err
     )
     assert shlex.split(out)[:5] == ["env", "-u", "NCCL_SOCKET_IFNAME", "-u", "TORCH_NCCL_BLOCKING_WAIT"]
-    from astrai.job_checks import load_and_check
+    from astrai.launch.job_checks import load_and_check
 
     plan = launch.plan_launch(load_and_check(config, []), config, [], node_rank=0)
     handed = plan.launcher_environment(os.environ)
@@ -508,7 +511,7 @@ def test_ranks_started_by_mpirun_or_srun_get_torch_variables_only_when_launch_ma
         "OMPI_COMM_WORLD_LOCAL_RANK": "5",
         "OMPI_COMM_WORLD_LOCAL_SIZE": "8",
     }
-    assert preflight.prepare_rank_environment(openmpi) == {
+    assert rank_environment.prepare_rank_environment(openmpi) == {
         "RANK": "5",
         "WORLD_SIZE": "16",
         "LOCAL_RANK": "5",
@@ -521,16 +524,16 @@ def test_ranks_started_by_mpirun_or_srun_get_torch_variables_only_when_launch_ma
         "SLURM_LOCALID": "1",
         "SLURM_NODEID": "1",
     }
-    assert preflight.prepare_rank_environment(slurm) == {
+    assert rank_environment.prepare_rank_environment(slurm) == {
         "RANK": "9",
         "WORLD_SIZE": "16",
         "LOCAL_RANK": "1",
         "NODE_RANK": "1",
     }
     inside_sbatch = {"SLURM_PROCID": "0", "SLURM_NTASKS": "16"}  # a lone `python astrai/train.py` in a batch script
-    assert preflight.prepare_rank_environment(inside_sbatch) == {} and "RANK" not in inside_sbatch
+    assert rank_environment.prepare_rank_environment(inside_sbatch) == {} and "RANK" not in inside_sbatch
     already = {"ASTR_LAUNCHER": "slurm", "RANK": "3", "SLURM_PROCID": "9"}
-    assert preflight.prepare_rank_environment(already) == {} and already["RANK"] == "3"
+    assert rank_environment.prepare_rank_environment(already) == {} and already["RANK"] == "3"
 
 
 @pytest.mark.parametrize(

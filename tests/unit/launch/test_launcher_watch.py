@@ -1,4 +1,4 @@
-"""Ranks die with their launcher (astrai/launcher_watch.py), with real processes standing in for DeepSpeed's:
+"""Ranks die with their launcher (astrai/launch/launcher_watch.py), with real processes standing in for DeepSpeed's:
 a `deepspeed` runner script starts a per-node launcher (its command line names deepspeed.launcher.launch)
 that starts a rank. SIGKILL of either launcher stops the rank: the runner's through the watching thread,
 the per-node launcher's through PR_SET_PDEATHSIG. A process without such a parent watches nothing.
@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from astrai.launcher_watch import launcher_name, launchers_above, watch_launchers
+from astrai.launch.launcher_watch import launcher_name, launchers_above, watch_launchers
 from tests.conftest import REPO, child_env
 
 RANK = """
 import json, logging, os, sys, time
 logging.basicConfig(level=logging.INFO, format="%(message)s")
-from astrai.launcher_watch import watch_launchers
+from astrai.launch.launcher_watch import watch_launchers
 watched = watch_launchers()
 print(json.dumps({"pid": os.getpid(), "watched": [[item.pid, item.name] for item in watched]}), flush=True)
 time.sleep(600)
@@ -126,7 +126,7 @@ def test_leave_if_orphaned_exits_at_once_when_a_watched_launcher_is_gone():
     or reused by a process of another start time) ends this rank with ORPHAN_EXIT_CODE; a live one does not."""
     script = (
         "import subprocess, sys\n"
-        "from astrai.launcher_watch import Launcher, leave_if_orphaned, proc_stat, ORPHAN_EXIT_CODE\n"
+        "from astrai.launch.launcher_watch import Launcher, leave_if_orphaned, proc_stat, ORPHAN_EXIT_CODE\n"
         "live = Launcher(1, proc_stat(1)[1], 'deepspeed')\n"
         "leave_if_orphaned([live])\n"
         "child = subprocess.Popen([sys.executable, '-c', 'pass']); start = proc_stat(child.pid)[1]; child.wait()\n"
@@ -137,7 +137,7 @@ def test_leave_if_orphaned_exits_at_once_when_a_watched_launcher_is_gone():
     finished = subprocess.run(
         [sys.executable, "-c", script], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=60
     )
-    from astrai.launcher_watch import ORPHAN_EXIT_CODE
+    from astrai.launch.launcher_watch import ORPHAN_EXIT_CODE
 
     assert finished.returncode == ORPHAN_EXIT_CODE, finished.stderr
     assert finished.stdout.split() == ["still", "here"] and "launcher that started this rank is gone" in finished.stderr

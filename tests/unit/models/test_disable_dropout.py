@@ -22,14 +22,14 @@ import pytest
 import torch
 from transformers import FalconConfig, GPT2Config, OPTConfig
 
-from astrai.build import build_run
 from astrai.config import load_job
 from astrai.config.schema import ModelConfig
 from astrai.models.policy import build_policy, disable_dropout
 from astrai.models.tokenizer import build_tokenizer
 from astrai.models.value import ValueModel, build_value_model, trunk_of
 from astrai.rollout.scoring import PlainForward, masked_token_logprobs
-from astrai.trainer import train_offline, train_online
+from astrai.training.build import build_run
+from astrai.training.loops import train_offline, train_online
 from tests.conftest import REPO
 
 # fp32 log-probs of a 2-layer model through two batch shapes: a few ulps of |logprob| ~ 3 (~2e-7 each).

@@ -11,16 +11,16 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from astrai.build import build_run
 from astrai.config import ConfigError, load_job
 from astrai.engine import consolidated_state_dict, load_tensor_file
-from astrai.job_checks import load_and_check
+from astrai.launch.job_checks import load_and_check
 from astrai.models.lora import LoraError, check_same_base, default_target_modules
 from astrai.models.policy import load_causal_lm
 from astrai.models.tokenizer import build_tokenizer
 from astrai.strategies.dpo import completion_logprobs
-from astrai.strategies.reference import DisabledAdapterReference
-from astrai.trainer import TRAIN_LOOPS
+from astrai.strategies.frozen_reference import DisabledAdapterReference
+from astrai.training.build import build_run
+from astrai.training.loops import TRAIN_LOOPS
 from tests.conftest import REPO
 from tests.unit.rollout_fixtures import LLAMA_SHAPE
 
@@ -204,7 +204,8 @@ def test_export_merged_and_adapter_give_the_adapted_logits(one_rank, folder, tmp
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from astrai.export import ExportError, export_checkpoint
+    from astrai.export.hf import export_checkpoint
+    from astrai.export.weights import ExportError
 
     run = make_run(one_rank, folder, "export_lora", stage=1)
     TRAIN_LOOPS[run.strategy.loop](run)
@@ -241,7 +242,7 @@ def test_export_merged_and_adapter_give_the_adapted_logits(one_rank, folder, tmp
 
 
 def test_export_cli_takes_adapter():
-    from astrai.export import parse_args
+    from astrai.export.cli import parse_args
 
     assert parse_args(["ckpt", "dest", "--adapter"]).adapter and not parse_args(["ckpt", "dest"]).adapter
 
@@ -259,7 +260,7 @@ def test_lora_options_train_and_export_merged(one_rank, folder, tmp_path, stage,
     checkpointing: each trains 3 steps and its merged export computes what the adapted policy computes."""
     from transformers import AutoModelForCausalLM
 
-    from astrai.export import export_checkpoint
+    from astrai.export.hf import export_checkpoint
 
     name = f"options_z{stage}"
     run = make_run(one_rank, folder, name, *settings, stage=stage)

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from astrai.algos.chunked_logprobs import head_statistics
-from astrai.build import build_run
 from astrai.config import load_job
 from astrai.models import output_head
-from astrai.trainer import train_offline, train_online
+from astrai.training.build import build_run
+from astrai.training.loops import train_offline, train_online
 from tests.conftest import REPO
 
 RUN = """\

@@ -13,15 +13,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from astrai.algos.logprobs import real_vocabulary, token_logprobs
-from astrai.build import build_run
 from astrai.config import load_job
 from astrai.models.tokenizer import build_tokenizer
 from astrai.rollout.generation import generate_rollout, sample_responses
 from astrai.rollout.prompts import Prompts, render_prompt
-from astrai.rollout.sampler import TokenSampler
 from astrai.rollout.sequences import join_sequences, left_pad
+from astrai.rollout.token_sampler import TokenSampler
 from astrai.strategies.dpo import completion_logprobs
-from astrai.trainer import train_online
+from astrai.training.build import build_run
+from astrai.training.loops import train_online
 from tests.conftest import REPO
 from tests.unit.rollout_fixtures import LLAMA_SHAPE, PlainEngine, behaviour_scoring
 from tests.unit.strategies.test_grpo import job

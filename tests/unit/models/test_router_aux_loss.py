@@ -18,14 +18,14 @@ import pytest
 import torch
 from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
-from astrai.build import build_run
 from astrai.config import load_job
 from astrai.config.schema import JobConfig
 from astrai.models.policy import ModelError, build_policy, router_aux_loss_coef
 from astrai.models.tokenizer import build_tokenizer
 from astrai.rollout.sequences import join_sequences
 from astrai.strategies import strategy_class
-from astrai.trainer import train_offline, train_online
+from astrai.training.build import build_run
+from astrai.training.loops import train_offline, train_online
 from tests.conftest import REPO
 
 ROUTER = "model.layers.0.mlp.gate.weight"

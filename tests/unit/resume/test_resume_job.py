@@ -16,7 +16,6 @@ import torch
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
-from astrai.build import build_run, make_tokenizer
 from astrai.checkpoint import CheckpointError, find_latest
 from astrai.config import load_job
 from astrai.config.schema import ModelConfig
@@ -30,7 +29,8 @@ from astrai.models.tokenizer import (
     load_tokenizer,
     tokenizer_difference,
 )
-from astrai.trainer import TRAIN_LOOPS
+from astrai.training.build import build_run, make_tokenizer
+from astrai.training.loops import TRAIN_LOOPS
 from tests.conftest import REPO
 
 SFT_DATA = REPO / "data/arithmetic/sft.jsonl"

@@ -281,7 +281,7 @@ def draws() -> tuple[float, float, float]:
 
 
 def state_saved_on(world_size: int, *, step: int = 4, consumed: int = 36):
-    from astrai.resume.checkpointing import TrainerState, capture_rng
+    from astrai.resume.training_checkpoints import TrainerState, capture_rng
 
     return TrainerState(
         step=step, consumed_samples=consumed, world_size=world_size, rng=[capture_rng() for _ in range(world_size)]
@@ -289,7 +289,7 @@ def state_saved_on(world_size: int, *, step: int = 4, consumed: int = 36):
 
 
 def test_reseed_covers_python_numpy_and_torch_deterministically_per_rank():
-    from astrai.resume.checkpointing import reseed_rng
+    from astrai.resume.training_checkpoints import reseed_rng
 
     assert reseed_rng(7, 4, 1) == 7 * 7919 + 4 * 31 + 1
     first = draws()
@@ -301,7 +301,7 @@ def test_reseed_covers_python_numpy_and_torch_deterministically_per_rank():
 
 
 def test_a_changed_world_size_logs_both_rules_once_and_reseeds(caplog):
-    from astrai.resume.checkpointing import carry_over, reseed_rng
+    from astrai.resume.training_checkpoints import carry_over, reseed_rng
 
     logs = []
     for rank in (0, 1, 2):
@@ -336,7 +336,7 @@ def test_a_changed_world_size_logs_both_rules_once_and_reseeds(caplog):
 
 
 def test_a_changed_micro_batch_on_the_same_world_size_restores_rng_and_says_so(caplog):
-    from astrai.resume.checkpointing import capture_rng, carry_over, restore_rng
+    from astrai.resume.training_checkpoints import capture_rng, carry_over, restore_rng
 
     saved = capture_rng()
     expected = draws()
@@ -371,7 +371,7 @@ def test_a_changed_micro_batch_on_the_same_world_size_restores_rng_and_says_so(c
 
 
 def test_an_unchanged_topology_logs_no_rule(caplog):
-    from astrai.resume.checkpointing import carry_over
+    from astrai.resume.training_checkpoints import carry_over
 
     with caplog.at_level("INFO", logger="astrai"):
         carry_over(
@@ -387,7 +387,7 @@ def test_an_unchanged_topology_logs_no_rule(caplog):
 
 
 def test_the_saved_micro_batch_comes_from_the_checkpoint_job(checkpoint, tmp_path):
-    from astrai.resume.checkpointing import saved_micro_batch_size
+    from astrai.resume.training_checkpoints import saved_micro_batch_size
 
     assert saved_micro_batch_size(checkpoint) is None  # its job.yaml names no train.micro_batch_size
     (tmp_path / "job.yaml").write_text("train: {micro_batch_size: 6, seed: 7}\n")

@@ -18,7 +18,7 @@ from astrai.rollout.generation import behaviour_logprobs_source, generate_rollou
 from astrai.rollout.prompts import Prompts, render_prompt
 from astrai.rollout.scoring import PlainForward, batches_of
 from astrai.rollout.sequences import join_sequences, left_pad, response_mask, truncated_rows
-from astrai.step_metrics import rollout_metrics
+from astrai.training.step_metrics import rollout_metrics
 from tests.unit.rollout_fixtures import PlainEngine, behaviour_scoring, tiny_model, tiny_tokenizer
 
 EOS, PAD = 3, 0
@@ -178,7 +178,7 @@ def test_auto_behaviour_logprobs_come_from_the_sampler_in_fp32_only(model, token
 def test_inverse_cdf_sampling_by_hand():
     """Token i owns [cdf[i-1], cdf[i]) of u x total: zero-probability tokens (masked by top_k/top_p) own nothing,
     and u just below 1 stays on the last token of positive probability."""
-    from astrai.rollout.sampler import inverse_cdf_sample
+    from astrai.rollout.token_sampler import inverse_cdf_sample
 
     probabilities = torch.tensor([[0.1, 0.0, 0.6, 0.3, 0.0]] * 6, dtype=torch.float64)
     uniforms = torch.tensor([0.0, 0.05, 0.1 + 1e-9, 0.69, 0.71, 1.0 - 2**-24])
@@ -199,7 +199,7 @@ def test_inverse_cdf_sampling_by_hand():
 def test_the_token_sampler_draws_from_the_warped_distribution(knobs):
     """20,000 draws from one row of logits, against the distribution computed here by hand: softmax at the
     temperature, then the top k kept, then the smallest nucleus of mass >= top_p, renormalised."""
-    from astrai.rollout.sampler import TokenSampler
+    from astrai.rollout.token_sampler import TokenSampler
 
     logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, float("-inf")])
     probabilities = torch.softmax(logits / knobs["temperature"], -1)
@@ -233,7 +233,7 @@ def test_the_token_sampler_draws_from_the_warped_distribution(knobs):
 
 
 def test_sampler_logprobs_are_zero_on_pads_and_refuse_a_step_count_mismatch():
-    from astrai.rollout.sampler import TokenSampler
+    from astrai.rollout.token_sampler import TokenSampler
 
     sampler = TokenSampler(1.0, 0, 1.0, keep_logprobs=True)
     torch.manual_seed(1)

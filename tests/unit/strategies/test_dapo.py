@@ -19,7 +19,7 @@ from astrai.rollout.prompts import Prompts, render_prompt
 from astrai.rollout.rewards import WeightedReward
 from astrai.strategies.dynamic_sampling import deal_groups, plan_groups
 from astrai.strategies.grpo import GrpoStrategy
-from astrai.strategies.online import batch_geometry, round_seed
+from astrai.strategies.online_base import batch_geometry, round_seed
 from tests.conftest import REPO
 from tests.unit.rollout_fixtures import PlainEngine, behaviour_scoring, online_job, tiny_model, tiny_tokenizer
 
@@ -282,7 +282,7 @@ def test_combinations_that_cannot_work_fail_before_any_rank(changes, message, tm
     """Through astrai/train.py's pre-rank check: a ConfigError naming the job file and the keys."""
     import yaml
 
-    from astrai.job_checks import load_and_check
+    from astrai.launch.job_checks import load_and_check
 
     path = tmp_path / "job.yaml"
     raw = job(**changes).model_dump(mode="json", exclude_none=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from astrai.build import build_run
 from astrai.config import load_job
 from astrai.strategies.dpo import REFERENCE_COLUMNS
+from astrai.training.build import build_run
 from tests.conftest import REPO
 
 JOB = """\

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from astrai.build import build_run
 from astrai.config import load_job
 from astrai.engine import FrozenEngine
 from astrai.models.policy import load_causal_lm
-from astrai.strategies.reference import reference_model
+from astrai.strategies.frozen_reference import reference_model
+from astrai.training.build import build_run
 from tests.unit.strategies.dpo_fixtures import preference_folder
 
 JOB = """\

@@ -11,12 +11,12 @@ import math
 
 import pytest
 
-from astrai.build import build_run
 from astrai.config import ConfigError
 from astrai.engine import FrozenEngine
-from astrai.job_checks import load_and_check
-from astrai.metrics import read_metrics
-from astrai.trainer import TRAIN_LOOPS
+from astrai.launch.job_checks import load_and_check
+from astrai.observability.metrics import read_metrics
+from astrai.training.build import build_run
+from astrai.training.loops import TRAIN_LOOPS
 from tests.unit.strategies.dpo_fixtures import preference_folder
 
 STEPS = 8

@@ -18,7 +18,7 @@ from astrai.rollout.prompts import Prompts, render_prompt
 from astrai.rollout.rewards import WeightedReward
 from astrai.rollout.scoring import PlainForward, batches_of
 from astrai.strategies.grpo import GrpoStrategy
-from astrai.strategies.online import batch_geometry
+from astrai.strategies.online_base import batch_geometry
 from tests.unit.rollout_fixtures import LengthReward, PlainEngine, behaviour_scoring, tiny_model, tiny_tokenizer
 
 
@@ -237,7 +237,7 @@ def test_split_micro_batches_give_the_whole_batch_gradient(tokenizer, rollout_an
 def test_batch_split_is_checked_before_any_rank_starts(monkeypatch):
     """astrai/train.py's pre-rank check reads the launcher's WORLD_SIZE, so a rollout that cannot split
     over the ranks fails with a ConfigError (exit 2) naming the job file, before the rendezvous."""
-    from astrai.job_checks import load_and_check
+    from astrai.launch.job_checks import load_and_check
 
     tiny = [
         "model.path=null",

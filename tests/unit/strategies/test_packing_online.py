@@ -15,12 +15,12 @@ from astrai.data.packing import SEGMENT_ATTENTION, PackingError, attention_of
 from astrai.models.segment_attention import use_segment_attention
 from astrai.models.value import ValueModel, trunk_of
 from astrai.rollout.generation import generate_rollout
-from astrai.rollout.packed import pack_padded, token_micro_batches
+from astrai.rollout.packed_scoring import pack_padded, token_micro_batches
 from astrai.rollout.prompts import Prompts, render_prompt
 from astrai.rollout.rewards import WeightedReward
 from astrai.rollout.scoring import PackedForward, PlainForward
 from astrai.strategies.grpo import GrpoStrategy
-from astrai.strategies.online import batch_geometry
+from astrai.strategies.online_base import batch_geometry
 from astrai.strategies.ppo import PPOStrategy
 from tests.unit.rollout_fixtures import (
     LLAMA_INIT,

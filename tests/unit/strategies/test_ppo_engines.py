@@ -12,12 +12,12 @@ from collections import defaultdict
 import pytest
 import torch
 
-from astrai.build import build_run
 from astrai.checkpoint import CheckpointError, CheckpointPublisher, read_manifest
 from astrai.config import load_job
-from astrai.export import export_checkpoint
+from astrai.export.hf import export_checkpoint
 from astrai.models.value import load_value_model
-from astrai.trainer import train_online
+from astrai.training.build import build_run
+from astrai.training.loops import train_online
 from tests.conftest import REPO
 
 JOB = """\

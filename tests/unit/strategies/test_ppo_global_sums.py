@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from astrai.algos import explained_variance, global_standardize, masked_whiten
-from astrai.step_metrics import target_metrics
+from astrai.training.step_metrics import target_metrics
 
 
 def test_step_explained_variance_from_global_sums_equals_the_batch_formula():

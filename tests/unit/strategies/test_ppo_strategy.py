@@ -21,9 +21,9 @@ from astrai.rollout.generation import generate_rollout
 from astrai.rollout.prompts import Prompts, render_prompt
 from astrai.rollout.rewards import WeightedReward
 from astrai.rollout.scoring import PlainForward, batches_of
-from astrai.step_metrics import online_record
-from astrai.strategies.online import batch_geometry
+from astrai.strategies.online_base import batch_geometry
 from astrai.strategies.ppo import PPOStrategy
+from astrai.training.step_metrics import online_record
 from tests.unit.rollout_fixtures import (
     LLAMA_INIT,
     LengthReward,
@@ -387,7 +387,7 @@ def test_config_aliases_and_checks():
 
 
 def test_cli_shorthands_and_the_quickstart_config(monkeypatch):
-    from astrai.job_checks import load_and_check
+    from astrai.launch.job_checks import load_and_check
     from astrai.train import parse_args
 
     args = parse_args(

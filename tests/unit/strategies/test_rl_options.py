@@ -24,7 +24,7 @@ from astrai.rollout.prompts import Prompts, render_prompt
 from astrai.rollout.rewards import WeightedReward
 from astrai.rollout.scoring import PlainForward, batches_of, masked_token_logprobs
 from astrai.strategies.grpo import GrpoStrategy
-from astrai.strategies.online import batch_geometry
+from astrai.strategies.online_base import batch_geometry
 from astrai.strategies.ppo import PPOStrategy
 from tests.unit.rollout_fixtures import (
     LengthReward,
@@ -157,7 +157,7 @@ def test_a_resolved_job_validates_again():
 
 
 def test_a_refused_combination_stops_the_job_before_any_rank(monkeypatch):
-    from astrai.job_checks import load_and_check
+    from astrai.launch.job_checks import load_and_check
 
     monkeypatch.setenv("WORLD_SIZE", "1")
     tiny = ["model.path=null", "model.init={model_type: llama}", "tokenizer.build={kind: char}"]

@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from astrai.config.schema import JobConfig, TrainConfig
 from astrai.rollout.generation import generation_mode
 from astrai.strategies import REGISTRY, strategy_class
-from astrai.strategies.reference import reference_is_the_policy
+from astrai.strategies.frozen_reference import reference_is_the_policy
 from astrai.train_types import RULES, users_of
 
 TINY = {"model_type": "llama", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1}

@@ -1,4 +1,4 @@
-"""Experiment trackers (astrai/trackers/) with the real libraries, in process: a W&B offline run and an
+"""Experiment trackers (astrai/observability/trackers/) with the real libraries, in process: a W&B offline run and an
 MLflow file store hold the logged metrics and the resolved job, read back with each library's own reader;
 a resume continues the same tracker runs without sending a step twice; a tracker that fails is dropped
 while the others go on; a selected tracker that is not installed fails the job check, naming its extra.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from astrai.config import ConfigError, load_job
-from astrai.trackers.runs import STATE_FILE, Trackers
+from astrai.observability.trackers.runs import STATE_FILE, Trackers
 from tests.integration.plan import write_job
 
 WANDB_BLOCK = 32768  # the .wandb file is a LevelDB-style log: 32 KiB blocks of checksummed chunks
@@ -232,7 +232,7 @@ class HideModule:
 
 @pytest.mark.parametrize("tracker", ["wandb", "mlflow", "tensorboard"])
 def test_a_tracker_not_installed_fails_the_job_check_naming_its_extra(tmp_path, monkeypatch, tracker):
-    from astrai.job_checks import check_job_parts
+    from astrai.launch.job_checks import check_job_parts
 
     check_job_parts(tiny_job(tmp_path), "job.yaml", 1)  # transformers' lazy imports done while wandb is visible
     job = tiny_job(tmp_path, f"runtime.trackers=[{tracker}]", f"runtime.tensorboard={tracker == 'tensorboard'}")
@@ -247,7 +247,7 @@ def test_a_tracker_not_installed_fails_the_job_check_naming_its_extra(tmp_path, 
 
 
 def test_the_older_tensorboard_key_still_selects_tensorboard(tmp_path):
-    from astrai.trackers import selected_trackers
+    from astrai.observability.trackers import selected_trackers
 
     assert selected_trackers(tiny_job(tmp_path, "runtime.tensorboard=true").runtime) == [("tensorboard", False)]
     assert selected_trackers(tiny_job(tmp_path).runtime) == []  # the tiny job says tensorboard: false
