@@ -27,22 +27,11 @@ from astrai.checkpoint.hashing import hash_file
 from astrai.checkpoint.manifest import write_manifest
 from tests.conftest import REPO
 from tests.integration.plan import launch_plan, metrics, write_job
+from tests.integration.test_failure_matrix import JOB, SMALL_MODEL
+from tests.integration.test_failure_matrix import run_main as run_job
 
-SMALL_MODEL = (
-    "model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 2, "
-    "num_key_value_heads: 1, max_position_embeddings: 64"
-)
-JOB = """\
-output_dir: {folder}/run
-model:
-  init: {{{model}}}
-tokenizer:
-  build: {{kind: char}}
-data: {{path: {folder}/data.jsonl, max_seq_len: 48}}
-train: {{train_type: sft, max_steps: 3, micro_batch_size: 2, lr: 1e-3, seed: 3}}
-checkpoint: {{every_steps: 1}}
-runtime: {{progress_bar: false, tensorboard: false}}
-"""
+# test_failure_matrix's job, run 3 steps with a checkpoint after each (every run of the folder passes these first).
+CHECKPOINTED = ["train.max_steps=3", "checkpoint.every_steps=1"]
 SHARD = "policy/state/mp_rank_00_model_states.pt"
 HERE = "tests.integration.test_failure_matrix_checkpoints"
 RANK1_SHARD = "policy/state/zero_pp_rank_1_mp_rank_00_optim_states.pt"
@@ -65,14 +54,8 @@ def trained(tmp_path, monkeypatch, capfd) -> dict:
 
 
 def run_main(folder: Path, overrides: list[str], capfd) -> tuple[int, str]:
-    from astrai.train import main
-
-    argv = ["--config", str(folder / "job.yaml")]
-    for assignment in overrides:
-        argv += ["--set", assignment]
-    code = main(argv)
-    captured = capfd.readouterr()
-    return code, captured.out + captured.err
+    """test_failure_matrix's run of the folder's job.yaml in this process, with CHECKPOINTED before `overrides`."""
+    return run_job(str(folder / "job.yaml"), CHECKPOINTED + overrides, capfd)
 
 
 def reseal(checkpoint: Path) -> None:
