@@ -35,12 +35,12 @@ FUNCTIONS = {  # name -> (file suffix, function): cumulative seconds, recursion 
     "generate_rollout": ("rollout/generation.py", "generate_rollout"),
     "sample_responses": ("rollout/generation.py", "sample_responses"),
     "response_logprobs": ("rollout/scoring.py", "frozen_logprobs"),  # behaviour (if any) and reference
-    "score": ("strategies/online.py", "score"),
+    "score": ("strategies/online_base.py", "score"),
     "frozen_targets": ("strategies/grpo.py", "frozen_targets"),
     "compute_loss": ("strategies/grpo.py", "compute_loss"),
     "backward": ("engine/engines.py", "backward"),
     "finish_update": ("astrai/training/loops.py", "finish_update"),
-    "minibatches": ("strategies/online.py", "minibatches"),
+    "minibatches": ("strategies/online_base.py", "minibatches"),
     "close_step": ("astrai/training/loops.py", "_close_step"),
     "global_sums": ("astrai/training/loops.py", "_global_sums"),
 }
@@ -60,6 +60,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--results-dir", default=str(Path(__file__).resolve().parent / "results"))
     parser.add_argument("--name", default="profile_grpo_step")
     return parser.parse_args(argv)
+
+
+def check_functions() -> None:
+    """Every function profiled is still where FUNCTIONS says: a rename would otherwise read as 0 seconds."""
+    package = Path(__file__).resolve().parents[1] / "astrai"
+    for suffix, name in [LOOP, *FUNCTIONS.values()]:
+        path = package / suffix.removeprefix("astrai/")
+        if not path.is_file() or f"def {name}(" not in path.read_text():
+            raise SystemExit(f"profile_grpo_step: no function {name} in astrai/{suffix.removeprefix('astrai/')}")
 
 
 def cumulative(stats: pstats.Stats, suffix: str, name: str) -> float:
@@ -155,6 +164,7 @@ def markdown(result: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    check_functions()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     results_dir, work, info = fresh_workspace(args.results_dir, args.name)
     tokenizer, init = prepare(work, args.size)
