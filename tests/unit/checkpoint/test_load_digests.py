@@ -24,22 +24,14 @@ import torch
 
 from astrai.checkpoint import CheckpointError, CheckpointVerifyError, read_manifest, verify_checkpoint
 from astrai.checkpoint.read_check import ReadCheck, checking_reads, read_checked
-from tests.conftest import REPO
-from tests.integration.plan import write_job
-from tests.unit.checkpoint.test_trust import SETTINGS, SHARD, STEPS, edit_state, reseal, resume, train
+from tests.unit.checkpoint.test_trust import SETTINGS, SHARD, STEPS, edit_state, reseal, resume, train, train_in
 
 EXPONENT_BIT = 0x40  # in a little-endian float32's top byte: the value scales by 2**64 or 2**-64
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, one_rank) -> dict:
-    folder = tmp_path_factory.mktemp("load_digests")
-    rows = (REPO / "data/arithmetic/sft.jsonl").read_text().splitlines(keepends=True)[:64]
-    (folder / "rows.jsonl").write_text("".join(rows))
-    config = write_job(folder, "job")
-    state = train(config, one_rank, f"data.path={folder / 'rows.jsonl'}", *SETTINGS)
-    assert state.step == STEPS
-    return {"config": config, "output_dir": folder / "job", "data": f"data.path={folder / 'rows.jsonl'}"}
+    return train_in(tmp_path_factory.mktemp("load_digests"), one_rank)
 
 
 @pytest.fixture

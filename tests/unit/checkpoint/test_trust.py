@@ -59,7 +59,11 @@ class Payload:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, one_rank) -> dict:
-    folder = tmp_path_factory.mktemp("trust")
+    return train_in(tmp_path_factory.mktemp("trust"), one_rank)
+
+
+def train_in(folder: Path, one_rank) -> dict:
+    """An sft run of STEPS steps on 64 arithmetic rows in `folder`: its config, output_dir and data override."""
     rows = (REPO / "data/arithmetic/sft.jsonl").read_text().splitlines(keepends=True)[:64]
     (folder / "rows.jsonl").write_text("".join(rows))
     config = write_job(folder, "job")
