@@ -17,14 +17,13 @@ import json
 import logging
 import os
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from threading import Thread
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
 from tests.conftest import REPO
 from tests.integration.test_failure_matrix import Case, assert_one_clear_line, run_main, write_case
-from tests.unit.rollout.test_http_reward import HEADS, dripping, raw_service
+from tests.unit.rollout.test_http_reward import HEADS, dripping, raw_service, send_json, serving
 
 PROMPTS = 8
 GRPO = [
@@ -95,12 +94,7 @@ class LabelService(BaseHTTPRequestHandler):
             "correct" if response.strip() == row["answer"] else "wrong"
             for response, row in zip(body["responses"], body["rows"])
         ]
-        payload = json.dumps({"rewards": labels}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
+        send_json(self, json.dumps({"rewards": labels}).encode())
 
     def log_message(self, *args):
         pass
@@ -108,15 +102,9 @@ class LabelService(BaseHTTPRequestHandler):
 
 def test_reward_service_that_answers_labels(folder, capfd):
     """Before: the labels reached torch and the run stopped with "too many dimensions 'str'"."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), LabelService)
-    Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}/score"
-    try:
+    with serving(LabelService) as url:
         overrides = GRPO + [f"reward={{url: '{url}', name: verifier}}"]
         code, output = run_main(write_case(folder, Case("", [], "", 1)), overrides, capfd)
-    finally:
-        server.shutdown()
-        server.server_close()
     assert code == 1, output[-3000:]
     fragment = (
         f"reward 'verifier': the service at {url} answered rewards that are not a list of 4 numbers (one per "

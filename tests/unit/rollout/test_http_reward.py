@@ -62,25 +62,38 @@ class RewardService(BaseHTTPRequestHandler):
             payload = json.dumps(
                 answers.get(step, {"rewards": lengths})
             ).encode()  # json writes NaN as the bare token NaN
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
+        send_json(self, payload)
 
     def log_message(self, *args):
         pass
 
 
+def send_json(handler: BaseHTTPRequestHandler, payload: bytes) -> None:
+    """A 200 answer of `payload` as JSON, its length declared: what a working reward service sends."""
+    handler.send_response(200)
+    handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(payload)))
+    handler.end_headers()
+    handler.wfile.write(payload)
+
+
+@contextlib.contextmanager
+def serving(handler_class):
+    """A real HTTP server of `handler_class` on 127.0.0.1 (a free port) while inside: yields its /score URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler_class)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/score"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @pytest.fixture
 def service():
     RewardService.plan, RewardService.requests = [], []
-    server = ThreadingHTTPServer(("127.0.0.1", 0), RewardService)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/score"
-    server.shutdown()
-    server.server_close()
+    with serving(RewardService) as url:
+        yield url
 
 
 def http(url, retries=2, timeout_s=5.0):
