@@ -11,6 +11,10 @@ parameter follow DeepSpeed's optimizers (docs/guides/memory.md):
     bf16/fp16:     params 2, grads 2, fp32 master 4, Adam m + v 8
     ZeRO-1 partitions master and moments over the N ranks, ZeRO-2 also the gradients, ZeRO-3 also the
     parameters. offload_optimizer moves master and moments to host memory, offload_param the parameters.
+
+Activations and logits, the rows that grow with the sequence, are astrai/launch/activation_memory.py's (per
+attention kernel, sequence parallelism, tiled MLP, checkpointing). Under sequence parallelism ZeRO partitions
+over every rank (sp x dp). `--max-seq-len` searches the longest sequence that fits.
 """
 
 from __future__ import annotations
@@ -22,7 +26,15 @@ import math
 import os
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+
+from astrai.launch.activation_memory import (
+    ModelShape,
+    SequenceLayout,
+    activation_bytes,
+    attention_name,
+    logits_bytes,
+)
 
 GIB = 1024**3
 # Peak RSS of a rank whose model is negligible: a real 3-step sft run of a ~5k-parameter Llama (python, torch,
@@ -36,19 +48,6 @@ ZERO_DEFAULTS = {
     "stage3_prefetch_bucket_size": 5e7,
     "stage3_max_live_parameters": 1e9,
 }
-ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
-
-@dataclass
-class ModelShape:
-    """What the arithmetic needs of one model: exact parameter count and the transformer's sizes."""
-
-    parameters: int
-    layers: int
-    hidden: int
-    heads: int
-    vocab: int
-    trainable: int = 0  # a LoRA model: its adapter's parameters (0: every parameter trains)
 
 
 @dataclass
@@ -69,6 +68,9 @@ class Plan:
     checkpoint_bytes: int = 0
     gpu_limit: int | None = None
     host_limit: int = 0
+    shape: ModelShape | None = None  # the policy's
+    layout: SequenceLayout | None = None
+    on_gpu: bool = True  # False: a CPU-only run holds everything in host memory
 
     @property
     def gpu_total(self) -> int:
@@ -158,6 +160,9 @@ def count_shapes(config, critic: bool = False, lora=None) -> ModelShape:
         heads=int(getattr(text, "num_attention_heads", 0) or getattr(text, "n_head", 0)),
         vocab=int(text.vocab_size),
         trainable=sum(p.numel() for p in model.parameters() if p.requires_grad) if lora is not None else 0,
+        intermediate=int(getattr(text, "intermediate_size", 0) or getattr(text, "n_inner", 0) or 0),
+        kv_heads=int(getattr(text, "num_key_value_heads", 0) or 0),
+        head_dim=int(getattr(text, "head_dim", 0) or 0),
     )
 
 
@@ -207,16 +212,12 @@ def engine_rows(
     ]
 
 
-def activation_bytes(shape: ModelShape, sequences: int, seq_len: int, precision: str, checkpointing: bool) -> int:
-    """Korthikanti et al. 2022 (eq. 1, no tensor parallelism), per layer in 16-bit units:
-    s b h (34 + 5 a s / h); scaled to the activation width. With gradient checkpointing each layer keeps
-    its input (2 s b h) and one layer is recomputed in full at a time."""
-    scale = ACTIVATION_BYTES[precision] / 2
-    hidden_tokens = seq_len * sequences * shape.hidden
-    full_layer = hidden_tokens * (34 + 5 * shape.heads * seq_len / max(1, shape.hidden)) * scale
-    if checkpointing:
-        return int(shape.layers * 2 * hidden_tokens * scale + full_layer)
-    return int(shape.layers * full_layer)
+def sequence_rows(shape: ModelShape, layout: SequenceLayout, precision: str, on_gpu: bool) -> list[Row]:
+    """The rows that grow with the sequence: activations and logits (fp32 logits and log-softmax of one
+    `train.logits_chunk_size` chunk of the rank's positions at a time)."""
+    gpu, host = activation_bytes(shape, layout, precision)
+    rows = [Row("activations", gpu, host), Row("logits + log-softmax", gpu=logits_bytes(shape, layout))]
+    return rows if on_gpu else [Row(row.component, 0, row.gpu + row.host) for row in rows]
 
 
 def checkpoint_bytes(parameters: int, stage: int, precision: str) -> int:
@@ -247,6 +248,7 @@ def make_plan(job, source: str, world_size: int, gpu_memory_gib: float | None, h
     """Every component's bytes on one rank of `job` over `world_size` ranks."""
     import torch
 
+    from astrai.config import ConfigError
     from astrai.rollout.generation import generation_mode
     from astrai.strategies import strategy_class
     from astrai.strategies.engine_settings import engine_config
@@ -281,18 +283,82 @@ def make_plan(job, source: str, world_size: int, gpu_memory_gib: float | None, h
     if strategy.rules.online and stage == 3 and copy:
         # Engine.generation_module: a plain module of the policy's class and dtype, filled for the rollout.
         plan.rows.append(Row("ZeRO-3 generation copy", gpu=shape.parameters * weight_bytes))
-    sequences, seq_len = sequence_geometry(job)
-    activations = activation_bytes(shape, sequences, seq_len, precision, job.model.gradient_checkpointing)
-    plan.rows.append(Row("activations", gpu=activations))
-    positions = sequences * seq_len  # train.logits_chunk_size: only one chunk of positions has logits at a time
-    chunk = job.train.logits_chunk_size
-    plan.rows.append(Row("logits + log-softmax", gpu=min(positions, chunk or positions) * shape.vocab * 4 * 2))
+    checkpointing = job.model.gradient_checkpointing  # a bool, or the string "offload"
+    sp = job.parallel.sequence_parallel_size
+    if shape.heads % sp or world_size % sp:  # DeepSpeed's Ulysses refuses it when the model is built
+        raise ConfigError(
+            f"{source}: parallel.sequence_parallel_size: {sp} must divide the world size ({world_size}) and the "
+            f"model's attention heads ({shape.heads})"
+        )
+    plan.shape, plan.on_gpu = shape, on_gpu
+    plan.layout = SequenceLayout(
+        *sequence_geometry(job),
+        attention=attention_name(job, config),
+        sequence_parallel=sp,
+        tiled_mlp=job.parallel.tiled_mlp,
+        checkpointing="offload" if checkpointing == "offload" else bool(checkpointing),
+        logits_chunk=job.train.logits_chunk_size or 0,
+    )
+    plan.rows += sequence_rows(shape, plan.layout, precision, on_gpu)
     if not on_gpu:  # a CPU-only run holds everything in host memory
         plan.rows = [Row(row.component, 0, row.gpu + row.host) for row in plan.rows]
     plan.rows.append(Row("runtime baseline", host=RUNTIME_BASELINE_BYTES))
     plan.gpu_limit = int(gpu_memory_gib * GIB) if gpu_memory_gib is not None else None
     plan.host_limit = host_memory if host_memory is not None else machine_memory()
     return plan
+
+
+def with_length(plan: Plan, seq_len: int) -> Plan:
+    """`plan` with its activations and logits planned for sequences of `seq_len` tokens."""
+    layout = replace(plan.layout, seq_len=seq_len)
+    rows = {row.component: row for row in sequence_rows(plan.shape, layout, plan.precision, plan.on_gpu)}
+    return replace(plan, layout=layout, rows=[rows.get(row.component, row) for row in plan.rows])
+
+
+@dataclass
+class LongestSequence:
+    tokens: int  # per sequence, a multiple of sp (0: not even sp tokens fit)
+    limited_by: str  # the component that outgrows the memory one step (sp tokens) further
+    memory: str  # "GPU" or "host": the side that overflows
+    ceiling: bool = False  # the search stopped at its ceiling still fitting
+
+
+def longest_sequence(plan: Plan, ceiling: int = 1 << 30) -> LongestSequence:
+    """The longest sequence (a multiple of sp tokens) whose plan fits: a binary search over `with_length`.
+    The limit is the component that grows the most from that length to sp tokens more (with nothing fitting:
+    the largest), on the side (GPU or host) that overflows."""
+    step = plan.layout.sequence_parallel
+    low, high = 0, 1  # in steps of sp tokens: low fits (0: nothing tried), high is the next to try
+    while high * step <= ceiling and with_length(plan, high * step).fits:
+        low, high = high, high * 2
+    if high * step > ceiling:
+        return LongestSequence(low * step, "", "", ceiling=True)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if with_length(plan, middle * step).fits else (low, middle)
+    fitting, failing = with_length(plan, low * step), with_length(plan, (low + 1) * step)
+    on_gpu = failing.gpu_limit is not None and failing.gpu_total > failing.gpu_limit
+    side = "gpu" if on_gpu else "host"
+
+    def grown(pair) -> int:
+        before, after = (getattr(row, side) for row in pair)
+        return after - before if low else after
+
+    pairs = zip(fitting.rows, failing.rows)
+    limit = max(pairs, key=grown)[1].component
+    return LongestSequence(low * step, limit, "GPU" if on_gpu else "host")
+
+
+def longest_line(plan: Plan, longest: LongestSequence) -> str:
+    limit = plan.gpu_limit if plan.gpu_limit is not None else plan.host_limit
+    memory = f"{limit / GIB:.1f}" if limit >= GIB else f"{limit / GIB:.3g}"
+    memory += " GiB per rank" if plan.gpu_limit is not None else " GiB of host memory per rank"
+    if longest.ceiling:
+        return f"longest sequence that fits {memory}: over {longest.tokens:,} tokens ({plan.layout.describe()})"
+    return (
+        f"longest sequence that fits {memory}: {longest.tokens:,} tokens ({plan.layout.describe()}); "
+        f"limited by {longest.limited_by} ({longest.memory} memory)"
+    )
 
 
 def machine_memory() -> int:
@@ -356,6 +422,11 @@ def plan_main(argv: list[str]) -> int:
         default=None,
         help="memory of one GPU (default: plan for host memory)",
     )
+    parser.add_argument(
+        "--max-seq-len",
+        action="store_true",
+        help="also the longest sequence (a multiple of parallel.sequence_parallel_size) that fits, and what limits it",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args(argv)
     from astrai.config import ConfigError
@@ -372,6 +443,15 @@ def plan_main(argv: list[str]) -> int:
         return 2
     finally:
         os.environ.pop("WORLD_SIZE") if saved is None else os.environ.update(WORLD_SIZE=saved)
-    plan = make_plan(job, args.config, world_size, args.gpu_memory_gib)
-    print(json.dumps(plan.to_json(), indent=2) if args.json else render_table(plan))
+    try:
+        plan = make_plan(job, args.config, world_size, args.gpu_memory_gib)
+    except ConfigError as error:
+        print(f"astrai: {error}", file=sys.stderr)
+        return 2
+    data, text = plan.to_json(), render_table(plan)
+    if args.max_seq_len:
+        longest = longest_sequence(plan)
+        data["max_seq_len"] = asdict(longest) | {"line": longest_line(plan, longest)}
+        text += "\n" + data["max_seq_len"]["line"]
+    print(json.dumps(data, indent=2) if args.json else text)
     return 0

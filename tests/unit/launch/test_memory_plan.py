@@ -15,8 +15,10 @@ from astrai.config import load_job
 from astrai.config.schema import DeepSpeedSection
 from astrai.engine import build_ds_config, make_engine
 from astrai.launch.memory_plan import (
+    GIB,
     RUNTIME_BASELINE_BYTES,
     ModelShape,
+    SequenceLayout,
     activation_bytes,
     checkpoint_bytes,
     count_shapes,
@@ -90,16 +92,106 @@ def test_bytes_per_rank_follow_precision_stage_and_offload():
 
 
 def test_activation_and_checkpoint_arithmetic():
-    shape = ModelShape(parameters=0, layers=3, hidden=64, heads=4, vocab=0)
-    # per layer s b h (34 + 5 a s / h) in 16-bit units: 32 x 2 x 64 x (34 + 5 x 4 x 32 / 64) = 4096 x 44
-    assert activation_bytes(shape, 2, 32, "bf16", False) == 3 * 4096 * 44
-    assert activation_bytes(shape, 2, 32, "fp32", False) == 3 * 4096 * 44 * 2
-    # with checkpointing: every layer's input + one layer recomputed in full
-    assert activation_bytes(shape, 2, 32, "bf16", True) == 3 * 2 * 4096 + 4096 * 44
+    shape = ModelShape(parameters=0, layers=3, hidden=64, heads=4, vocab=0, intermediate=128, kv_heads=2)
+    # By hand, bf16 (w = 2), b = 2 sequences of s = 32, h 64, i 128, a 4 heads of d 16, g 2 kv heads, per layer:
+    # outside attention T (4h + a d + 4i) = 64 x (256 + 64 + 512) = 53,248 elements -> 106,496 bytes
+    # sdpa: q, out, k, v  b s d (2a + 2g) = 64 x 16 x 12 = 12,288 elements -> 24,576 bytes; logsumexp 64 x 4 x 4 = 1,024
+    # -> 132,096 bytes a layer, 396,288 for 3
+    layer = 106_496 + 24_576 + 1_024
+    assert activation_bytes(shape, SequenceLayout(2, 32), "bf16") == (3 * layer, 0)
+    # checkpointing: every layer's input (T h w = 8,192 bytes) + one layer recomputed in full; offload: inputs on host
+    assert activation_bytes(shape, SequenceLayout(2, 32, checkpointing=True), "bf16") == (3 * 8_192 + layer, 0)
+    assert activation_bytes(shape, SequenceLayout(2, 32, checkpointing="offload"), "bf16") == (layer, 3 * 8_192)
+    # eager: q and k, v repeated to 4 heads (64 x 16 x 12 x 2) + scores b s^2 a x (4 fp32 softmax + 2 probabilities)
+    eager = 106_496 + 24_576 + 64 * 32 * 4 * 6
+    assert activation_bytes(shape, SequenceLayout(2, 32, attention="eager"), "bf16") == (3 * eager, 0)
+    # sp = 2: 32 tokens a rank outside attention; inside, the full 64 with 2 heads and 1 kv head: half of it all
+    assert activation_bytes(shape, SequenceLayout(2, 32, sequence_parallel=2), "bf16") == (3 * layer // 2, 0)
+    # tiled MLP, one row of 256: the MLP's [T, i] x 4 go (256 x 512 x 2 bytes a layer), one tile stays:
+    # ceil(256 / 64) = 4 shards of 64 tokens -> 64 x 512 x 2 bytes once
+    whole = activation_bytes(shape, SequenceLayout(1, 256), "bf16")[0]
+    tiled = activation_bytes(shape, SequenceLayout(1, 256, tiled_mlp=True), "bf16")[0]
+    assert whole - tiled == 3 * 256 * 512 * 2 - 64 * 512 * 2
     assert checkpoint_bytes(100, 0, "fp32") == 100 * 12  # module (the master) + m + v
     assert checkpoint_bytes(100, 2, "fp32") == 100 * 16  # module + fp32 partitions + m + v
     assert checkpoint_bytes(100, 2, "bf16") == 100 * 14
     assert checkpoint_bytes(100, 3, "bf16") == 100 * 12
+
+
+# Qwen2.5-0.5B's shape (configs/scale_0p5b.yaml)
+QWEN_SHAPE = ModelShape(494_032_768, 24, 896, 14, 151_936, intermediate=4864, kv_heads=2)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_sdpa_is_linear_in_the_length_and_eager_quadratic(checkpointing):
+    def activations(attention: str, length: int) -> int:
+        layout = SequenceLayout(1, length, attention, checkpointing=checkpointing)
+        return activation_bytes(QWEN_SHAPE, layout, "bf16")[0]
+
+    for attention in ("sdpa", "flash_attention_2", "flex_attention"):
+        assert activations(attention, 16_384) / activations(attention, 8_192) == pytest.approx(2, rel=0.02)
+    assert activations("eager", 16_384) / activations("eager", 8_192) > 3.5  # the s^2 scores dominate
+
+
+def test_sequence_parallelism_divides_a_long_sequence_over_its_ranks():
+    def activations(sp: int, length: int = 65_536) -> int:
+        layout = SequenceLayout(1, length, sequence_parallel=sp, checkpointing=True)
+        return activation_bytes(QWEN_SHAPE, layout, "bf16")[0]
+
+    assert activations(2) == pytest.approx(activations(1) / 2, rel=0.01)
+    # sp 7 > 2 kv heads: each rank still holds one kv head of the full length (DeepSpeed replicates them)
+    assert activations(1) / 7 < activations(7) < activations(1) / 6
+
+
+def test_tiled_mlp_keeps_one_tile_of_the_intermediates():
+    whole = activation_bytes(QWEN_SHAPE, SequenceLayout(1, 65_536), "bf16")[0]
+    tiled = activation_bytes(QWEN_SHAPE, SequenceLayout(1, 65_536, tiled_mlp=True), "bf16")[0]
+    # 24 layers' [65,536, 4,864] x 4 go; ceil(65,536 / 896) = 74 shards: one tile of 886 tokens stays
+    assert whole - tiled == 24 * 65_536 * 4 * 4864 * 2 - 886 * 4 * 4864 * 2
+
+
+def test_a_32k_sequence_of_qwen_0p5b_under_sdpa_takes_a_few_gib():
+    """configs/scale_0p5b.yaml at 32k tokens: Korthikanti's 5 a s^2 b term made it ~71 GiB of activations
+    on one rank; sdpa keeps none of the scores."""
+    config = REPO / "configs/scale_0p5b.yaml"
+    overrides = ["data.max_seq_len=32768", "train.micro_batch_size=1"]
+    plans = {
+        attention: make_plan(
+            load_job(config, [*overrides, f"model.attn_implementation={attention}"]), str(config), 8, 80.0
+        )
+        for attention in ("sdpa", "eager")
+    }
+    activations = {attention: by_name(plan.rows)["activations"][0] / GIB for attention, plan in plans.items()}
+    assert activations["sdpa"] < 4 and plans["sdpa"].fits
+    assert activations["eager"] > 30 and plans["eager"].layout.attention == "eager"
+
+
+def test_checkpointing_offload_holds_the_layer_inputs_in_host_memory(tmp_path):
+    config = write_job(tmp_path, model={"init": TINY_INIT, "dtype": "bf16", "gradient_checkpointing": True})
+    job = load_job(config)
+    offload = job.model_copy(update={"model": job.model.model_copy(update={"gradient_checkpointing": "offload"})})
+    on_gpu = by_name(make_plan(job, str(config), 1, 40.0, host_memory=10**12).rows)["activations"]
+    offloaded = by_name(make_plan(offload, str(config), 1, 40.0, host_memory=10**12).rows)["activations"]
+    inputs = 2 * 32 * 8 * 2  # layers x tokens x hidden x 2 bytes
+    assert on_gpu == (offloaded[0] + inputs, 0) and offloaded[1] == inputs
+
+
+def test_max_seq_len_is_the_boundary_of_what_fits(tmp_path, capsys):
+    config = write_job(tmp_path)
+    argv = ["--config", str(config), "--gpus-per-node", "2", "--gpu-memory-gib", "0.01", "--max-seq-len", "--json"]
+    assert plan_main([*argv, "--set", "parallel.sequence_parallel_size=2"]) == 0
+    answer = json.loads(capsys.readouterr().out)["max_seq_len"]
+    tokens = answer["tokens"]
+    assert tokens > 16 and tokens % 2 == 0 and answer["limited_by"] == "activations" and answer["memory"] == "GPU"
+    assert answer["line"].startswith(f"longest sequence that fits 0.01 GiB per rank: {tokens:,} tokens (sp=2, sdpa")
+
+    def fits(length: int) -> bool:
+        overrides = ["parallel.sequence_parallel_size=2", f"data.max_seq_len={length}"]
+        return make_plan(load_job(config, overrides), str(config), 2, 0.01).fits
+
+    assert fits(tokens) and not fits(tokens + 2)
+    assert plan_main(argv[:-1]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1].endswith("limited by activations (GPU memory)")
 
 
 def write_job(folder: Path, **extra) -> Path:
@@ -121,14 +213,15 @@ def test_a_tiny_job_is_planned_to_the_byte(tmp_path):
     config = write_job(tmp_path)
     plan = make_plan(load_job(config), str(config), 1, None, host_memory=10**12)
     p = TINY_PARAMETERS
-    # activations: 2 layers x 16 x 2 x 8 x (34 + 5 x 2 x 16 / 8) x 4/2 = 2 x 256 x 54 x 2; logits 2 x 16 x 40 x 8
+    # activations (sdpa, fp32), per layer: 32 tokens x (4 x 8 + 2 x 4 + 4 x 16) + q, out, k, v 32 x 4 x (2 x 2 + 2 x 1)
+    # = 4,096 elements x 4 bytes + the logsumexp 32 x 2 x 4 bytes = 16,640, 2 layers; logits 2 x 16 x 40 x 8
     expected = {
         "policy parameters": 4 * p,
         "policy gradients": 4 * p,
         "policy fp32 master weights": 0,
         "policy Adam moments": 8 * p,
         "policy ZeRO-0 buckets": 0,
-        "activations": 2 * 256 * 54 * 2,
+        "activations": 2 * 16_640,
         "logits + log-softmax": 2 * 16 * 40 * 8,
         "runtime baseline": RUNTIME_BASELINE_BYTES,
     }
