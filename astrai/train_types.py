@@ -61,20 +61,20 @@ def users_of(option: str) -> str:
 @register_rules
 class SeqRules(TrainTypeRules):
     name = "seq"
-    options = frozenset({"data.document_mask"})
+    options = frozenset({"data.document_mask", "parallel.sequence_parallel_size"})
     data_packing_hint = " (seq blocks have no padding; `data.document_mask` isolates their documents)"
 
 
 @register_rules
 class SftRules(TrainTypeRules):
     name = "sft"
-    options = frozenset({"data.packing"})
+    options = frozenset({"data.packing", "parallel.sequence_parallel_size"})
 
 
 @register_rules
 class DpoRules(TrainTypeRules):
     name = "dpo"
-    options = frozenset({"data.packing"})
+    options = frozenset({"data.packing", "parallel.sequence_parallel_size"})
 
 
 class OnlineRules(TrainTypeRules):

@@ -23,6 +23,7 @@ from astrai.config.sections.eval import EvalConfig
 from astrai.config.sections.export import ExportConfig
 from astrai.config.sections.infra import InfraConfig, NodeConfig
 from astrai.config.sections.model import LoraSection, ModelConfig
+from astrai.config.sections.parallel import ParallelConfig
 from astrai.config.sections.reward import RewardComponent, RewardConfig
 from astrai.config.sections.rl import OverlongPenalty, RlConfig
 from astrai.config.sections.rm import RmConfig
@@ -47,6 +48,7 @@ __all__ = [
     "ModelConfig",
     "NodeConfig",
     "OverlongPenalty",
+    "ParallelConfig",
     "RewardComponent",
     "RewardConfig",
     "RlConfig",
@@ -80,6 +82,10 @@ class JobConfig(Section):
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig,
         description="Crash-safe checkpoints: cadence, retention, resume, verification.",
+    )
+    parallel: ParallelConfig = Field(
+        default_factory=ParallelConfig,
+        description="Sequence parallelism (DeepSpeed Ulysses) for long sequences: ranks per sequence, tiled MLP.",
     )
     runtime: RuntimeConfig = Field(
         default_factory=RuntimeConfig, description="Per-job process settings: environment, timeouts, logging."
@@ -128,6 +134,8 @@ class JobConfig(Section):
             )
         if self.data.document_mask and "data.document_mask" not in rules.options:
             raise ValueError(f"`data.document_mask` is for {users_of('data.document_mask')}, not {train_type}")
+        if self.parallel.sequence_parallel_size > 1:
+            self._check_sequence_parallel(rules)
         if self.rl.packing and "rl.packing" not in rules.options:
             raise ValueError(f"`rl.packing` is for {users_of('rl.packing')}, not {train_type} (use `data.packing`)")
         if self.rl.share_prefix:
@@ -140,6 +148,20 @@ class JobConfig(Section):
                 )
             self._refuse_checkpointing_with("rm.share_prefix")
         return self
+
+    def _check_sequence_parallel(self, rules) -> None:
+        """Ulysses: the train types whose forwards are cut along the sequence, with the options it can join."""
+        size = self.parallel.sequence_parallel_size
+        key = f"`parallel.sequence_parallel_size: {size}`"
+        if "parallel.sequence_parallel_size" not in rules.options:
+            raise ValueError(
+                f"{key} is for {users_of('parallel.sequence_parallel_size')} in this version, not {rules.name}"
+            )
+        if self.model.attn_implementation in ("eager", "paged|eager"):
+            raise ValueError(
+                f"{key} with `model.attn_implementation: {self.model.attn_implementation}`: Ulysses needs an attention "
+                "that takes no materialised [T, T] mask (sdpa, flash_attention_2)"
+            )
 
     def _check_share_prefix(self) -> None:
         """rl.share_prefix: the online train types only; not with the packed forward nor with checkpointed layers."""

@@ -26,6 +26,9 @@ from astrai.errors import AstraiError
 
 # sdpa one packed row at a time (astrai/models/segment_attention.py): what a policy running sdpa switches to.
 SEGMENT_ATTENTION = "astrai_segment_sdpa"
+# Set on the position ids of a sequence-parallel cut (models/token_forward.py): the attention wrapper of
+# engine/sequence_parallel.py runs Ulysses for that forward (and its recompute in backward) and no other.
+SEQUENCE_SHARD_MARK = "_astrai_sequence_shard"
 # Attention implementations of transformers that keep packed rows apart from position_ids alone.
 PACKING_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", SEGMENT_ATTENTION)
 

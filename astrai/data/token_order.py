@@ -114,16 +114,19 @@ class TokenBalancedOrder:
 
 def make_order(job, dataset, dist, rows_per_draw: int):
     """data.packing: the token-balanced order; otherwise the row order (ShardedOrder), `rows_per_draw` rows per
-    rank per draw (`Strategy.rows_per_draw`)."""
+    rank per draw (`Strategy.rows_per_draw`). The ranks are the data-parallel ones: the ranks of a
+    sequence-parallel group draw the same rows (each cuts every sequence of them)."""
     train = job.train
     if job.data.packing:
         return TokenBalancedOrder(
             row_lengths(dataset),
             train.micro_batch_tokens,
-            dist.world_size,
-            dist.rank,
+            dist.data_parallel_size,
+            dist.data_parallel_rank,
             train.grad_accum_steps,
             train.seed,
             job.data.shuffle,
         )
-    return ShardedOrder(len(dataset), rows_per_draw, dist.world_size, dist.rank, train.seed, job.data.shuffle)
+    return ShardedOrder(
+        len(dataset), rows_per_draw, dist.data_parallel_size, dist.data_parallel_rank, train.seed, job.data.shuffle
+    )

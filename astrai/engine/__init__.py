@@ -8,6 +8,7 @@ LR schedule and clipping.
 - `host_memory.py`: glibc malloc thresholds that keep each step's buffers instead of faulting them in again.
 - `ds_config.py`: one engine's DeepSpeed config, LR schedule and weight-decay groups.
 - `engines.py`: `Engine`, `FrozenEngine`, partitioned loading, consolidated weights.
+- `sequence_parallel.py`: Ulysses sequence parallelism: the groups, every engine's `mpu`, attention sharded.
 - `zero3_init.py`: `model.init` models partitioned as they are built, with the whole build's weights.
 - `streamed_writes.py`: an engine's checkpoint files serialised into the caller's file objects.
 - `safe_load.py`: every checkpoint file read weights-only (DeepSpeed's readers included); old RNG pickles.
@@ -56,6 +57,13 @@ from astrai.engine.safe_load import (
     load_tensor_file,
     weights_only_torch_load,
 )
+from astrai.engine.sequence_parallel import (
+    check_heads,
+    check_shardable,
+    join_sequence_groups,
+    shard_attention,
+    tile_mlps,
+)
 from astrai.engine.zero3_init import zero3_building, zero3_construction
 
 __all__ = [
@@ -84,6 +92,11 @@ __all__ = [
     "make_engine",
     "make_frozen_engine",
     "zero3_loading",
+    "check_heads",
+    "check_shardable",
+    "join_sequence_groups",
+    "shard_attention",
+    "tile_mlps",
     "zero3_building",
     "zero3_construction",
     "tune_malloc",

@@ -25,10 +25,28 @@ class DistInfo:
     local_rank: int
     device: torch.device
     backend: str
+    # Ulysses (engine/sequence_parallel.py): consecutive ranks share each sequence; the data order, sample counts
+    # and loss units are those of the data-parallel ranks (rank // sp of world // sp).
+    sequence_parallel_size: int = 1
+    sequence_group: Any = None  # the rank's sequence-parallel process group (None without it)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that each see their own rows: the world size over the sequence-parallel size."""
+        return self.world_size // self.sequence_parallel_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.rank // self.sequence_parallel_size
+
+    @property
+    def sequence_parallel_rank(self) -> int:
+        """This rank's place in its sequence's group: which cut of every packed row it holds."""
+        return self.rank % self.sequence_parallel_size
 
 
 class RendezvousError(AstraiError, RuntimeError):

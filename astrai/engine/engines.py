@@ -16,6 +16,7 @@ from astrai.checkpoint import CheckpointError
 from astrai.engine.distributed import CollectiveStalledError
 from astrai.engine.ds_config import parameter_groups
 from astrai.engine.safe_load import load_tensor_file, trusted_loads, weights_only_torch_load
+from astrai.engine.sequence_parallel import correct_zero3_reduce_scatter, sequence_mpu
 from astrai.engine.streamed_writes import OpenFile, streamed_writes
 
 logger = logging.getLogger("astrai.engine")
@@ -436,7 +437,9 @@ def make_engine(
         config=ds_config,
         lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, schedule),
         dist_init_required=False,
+        mpu=sequence_mpu(),
     )
+    correct_zero3_reduce_scatter(ds_engine)
     if ds_engine.zero_optimization_stage() == 0 and dist.get_world_size() == 1:
         # An all-reduce over one rank changes nothing and copies every gradient twice (~2% of a step
         # on a CPU, benchmarks/trainer_overhead.py `ds_z0_noreduce_w1`).
@@ -477,7 +480,7 @@ def make_frozen_engine(model: torch.nn.Module, trainable_config: dict) -> Frozen
     }
     for parameter in model.parameters():
         parameter.requires_grad_(False)
-    ds_engine, *_ = deepspeed.initialize(model=model, config=config, dist_init_required=False)
+    ds_engine, *_ = deepspeed.initialize(model=model, config=config, dist_init_required=False, mpu=sequence_mpu())
     return FrozenEngine(ds_engine, config)
 
 

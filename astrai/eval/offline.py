@@ -27,7 +27,8 @@ def offline_eval_sums(run) -> dict[str, float]:
     """This rank's sums of `strategy.eval_sums` over its share of `run.eval_dataset` (call under no_grad)."""
     strategy, policy, dataset = run.strategy, run.engines["policy"], run.eval_dataset
     micro = run.job.train.micro_batch_size
-    own, per_rank = rank_share(len(dataset), run.dist.rank, run.dist.world_size)
+    # The ranks of a sequence-parallel group share their examples: each forward is the group's.
+    own, per_rank = rank_share(len(dataset), run.dist.data_parallel_rank, run.dist.data_parallel_size)
     sums: dict[str, float] = defaultdict(float)
     for start in range(0, per_rank, micro):
         indices = own[start : start + micro]
@@ -44,4 +45,6 @@ def evaluate_offline(run) -> dict[str, float]:
     sums = offline_eval_sums(run)
     names = sorted(set(sums) | {"weight"})  # every rank sends the same keys: a rank may have had no example
     totals = dict(zip(names, all_reduce_sums([sums.get(name, 0.0) for name in names], run.dist.device)))
+    group = run.dist.sequence_parallel_size  # each rank of a sequence-parallel group summed the same examples
+    totals = {name: value / group for name, value in totals.items()}
     return run.strategy.eval_metrics(totals)

@@ -37,10 +37,29 @@ def load_and_check(config_path: str, overrides: list[str]):
         raise ConfigError(f"{config_path}: {error}") from None
     check_job_parts(job, config_path, world_size)
     try:
+        check_sequence_parallel(job, world_size)
         check_eval_job(job)  # checkpoint.keep_best names a metric the job's eval reports
     except ConfigError as error:
         raise ConfigError(f"{config_path}: {error}") from None
     return job
+
+
+def check_sequence_parallel(job, world_size: int) -> None:
+    """`parallel.sequence_parallel_size` against the world size and the model's attention heads (its config only,
+    no weights), before any rank starts."""
+    from astrai.config import ConfigError
+    from astrai.engine import check_heads
+    from astrai.launch.memory_plan import model_config
+
+    size = job.parallel.sequence_parallel_size
+    if size == 1:
+        return
+    if world_size % size:
+        raise ConfigError(
+            f"parallel.sequence_parallel_size: {size} does not divide the world size {world_size} "
+            "(ranks = sequence_parallel_size x data-parallel ranks)"
+        )
+    check_heads(model_config(job, vocab_size=256), size)  # the heads do not depend on the vocabulary
 
 
 def check_job_parts(job, config_path: str, world_size: int) -> None:

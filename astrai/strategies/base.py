@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 
 from astrai.models.policy import router_aux_loss_coef
+from astrai.models.token_forward import PLAIN_TOKENS, TokenForward
 from astrai.train_types import TrainTypeRules
 
 if TYPE_CHECKING:  # Run holds the strategy: named for annotations only, the strategies never import training/
@@ -37,6 +38,9 @@ class Strategy:
     # the config, which cannot import the strategies); the export and the planner read it too.
     rules: ClassVar[type[TrainTypeRules]]
     sequences_per_row: ClassVar[int] = 1  # sequences one data row makes in a micro-batch (a pair: 2)
+    # The token statistics' forward, chosen once per job by build_run (models/token_forward.py): the plain one,
+    # or the sequence-parallel cuts of `parallel.sequence_parallel_size`.
+    tokens: TokenForward = PLAIN_TOKENS
 
     def __init__(self, job, tokenizer):
         self.job = job

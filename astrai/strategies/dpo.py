@@ -29,7 +29,8 @@ from astrai.data.collate import pad_right
 from astrai.data.packing import is_packed, model_inputs, pack_sequences, segment_sums
 from astrai.data.render import preference_batch
 from astrai.engine import all_gather_objects
-from astrai.models.output_head import chunked_token_statistics, next_token_labels
+from astrai.models.output_head import next_token_labels
+from astrai.models.token_forward import PLAIN_TOKENS, TokenForward
 from astrai.strategies.base import StepOutput, Strategy, register
 from astrai.strategies.frozen_reference import build_reference
 from astrai.train_types import DpoRules
@@ -43,27 +44,43 @@ AVERAGED_LOSSES = ("ipo", *REFERENCE_FREE_LOSSES)  # these papers score completi
 
 
 def completion_logprobs(
-    model, batch: dict, average: bool = False, vocab_size: int | None = None, chunk_size: int = 0
+    model,
+    batch: dict,
+    average: bool = False,
+    vocab_size: int | None = None,
+    chunk_size: int = 0,
+    tokens: TokenForward = PLAIN_TOKENS,
 ) -> torch.Tensor:
     """Log-probs of each sequence's completion tokens, summed (or averaged, as IPO scores
     completions): [2B] for a batch of 2B sequences. vocab_size: the tokenizer's length, over whose ids
     they normalise (a padded model vocabulary's extra rows take no probability; None: all ids).
-    chunk_size: `train.logits_chunk_size` (models/output_head.py; 0: the full logits)."""
-    return completion_forward(model, batch, average, vocab_size, chunk_size)[0]
+    chunk_size: `train.logits_chunk_size` (models/output_head.py; 0: the full logits). tokens: the job's token
+    forward (`Strategy.tokens`: plain, or sequence-parallel cuts)."""
+    return completion_forward(model, batch, average, vocab_size, chunk_size, tokens)[0]
 
 
 def completion_forward(
-    model, batch: dict, average: bool = False, vocab_size: int | None = None, chunk_size: int = 0, **options
+    model,
+    batch: dict,
+    average: bool = False,
+    vocab_size: int | None = None,
+    chunk_size: int = 0,
+    tokens: TokenForward = PLAIN_TOKENS,
+    **options,
 ):
     """`completion_logprobs` [2B] and the model's whole output (e.g. a router's `aux_loss`); `options` go to
     the forward."""
     inputs = model_inputs(batch, model)
     chunked = None
-    if not is_packed(batch):  # a packed row is scored the full way (its sums are per segment)
+    # A packed row is scored the full way (its sums are per segment), except in sequence-parallel cuts.
+    if not is_packed(batch) or tokens.sequence_parallel_size > 1:
         labels = next_token_labels(batch["input_ids"], batch["loss_mask"])
-        chunked = chunked_token_statistics(
-            model, inputs, labels, chunk_size=chunk_size, vocab_size=vocab_size, **options
-        )
+        chunked = tokens.statistics(model, inputs, labels, chunk_size=chunk_size, vocab_size=vocab_size, **options)
+    if chunked is not None and is_packed(batch):  # position t scores token t + 1, of t's own sequence (or none)
+        scored = (labels >= 0)[0].to(chunked.logprobs.dtype)
+        logps = segment_sums(chunked.logprobs[0], batch["sequence_lengths"])
+        counts = segment_sums(scored, batch["sequence_lengths"])
+        return (logps / counts.clamp(min=1) if average else logps), chunked.output
     if chunked is not None:  # 0 on every unscored position: the plain sum is the masked one
         output, logps, counts = chunked.output, chunked.logprobs.sum(dim=-1), batch["loss_mask"][:, 1:].sum(dim=-1)
         return (logps / counts.clamp(min=1) if average else logps), output
@@ -147,8 +164,9 @@ class DpoStrategy(Strategy):
 
         Every rank runs the same number of forwards (the last batch is padded with repeats) because
         a ZeRO-3 forward is a collective."""
-        size, world, micro = len(dataset), run.dist.world_size, self.job.train.micro_batch_size
-        own = list(range(run.dist.rank, size, world))
+        # The ranks of a sequence-parallel group share their pairs (each forward is the group's).
+        size, world, micro = len(dataset), run.dist.data_parallel_size, self.job.train.micro_batch_size
+        own = list(range(run.dist.data_parallel_rank, size, world))
         rounds = math.ceil(math.ceil(size / world) / micro)
         results: dict[int, tuple[float, float]] = {}
         for round_index in range(rounds):
@@ -158,7 +176,7 @@ class DpoStrategy(Strategy):
             batch = self._to_device(self.collate([dataset[i] for i in indices]))
             average = self.job.dpo.loss in AVERAGED_LOSSES
             logps = completion_logprobs(
-                self.reference, batch, average, len(self.tokenizer), self.job.train.logits_chunk_size
+                self.reference, batch, average, len(self.tokenizer), self.job.train.logits_chunk_size, self.tokens
             )
             pairs = len(indices)
             for position, index in enumerate(indices):
@@ -204,7 +222,9 @@ class DpoStrategy(Strategy):
         settings = self.job.dpo
         average = settings.loss in AVERAGED_LOSSES
         chunk_size, options = self.job.train.logits_chunk_size, self.router_options(policy)
-        logps, output = completion_forward(policy, batch, average, len(self.tokenizer), chunk_size, **options)
+        logps, output = completion_forward(
+            policy, batch, average, len(self.tokenizer), chunk_size, self.tokens, **options
+        )
         objective = self._objective(logps[:pairs], logps[pairs:], batch, average)
         chosen, rejected = logps[:pairs].detach(), logps[pairs:].detach()
         sums = {
@@ -245,7 +265,7 @@ class DpoStrategy(Strategy):
         reference = batch.get("reference_logps")
         if reference is None:
             reference = completion_logprobs(
-                self.reference, batch, average, len(self.tokenizer), self.job.train.logits_chunk_size
+                self.reference, batch, average, len(self.tokenizer), self.job.train.logits_chunk_size, self.tokens
             )
         pairs = chosen.shape[0]
         return dpo_loss(

@@ -17,7 +17,7 @@ from astrai.data.collate import collate_token_rows
 from astrai.data.packing import document_positions, model_inputs, pack_sequences
 from astrai.data.render import is_text_row, pack_batch, sft_batch
 from astrai.data.sources import Rows
-from astrai.models.output_head import chunked_token_statistics, next_token_labels
+from astrai.models.output_head import next_token_labels
 from astrai.strategies.base import StepOutput, Strategy, register
 from astrai.train_types import SeqRules, SftRules
 
@@ -47,7 +47,7 @@ class LanguageModelingStrategy(Strategy):
         inputs = model_inputs(batch, policy)
         labels = next_token_labels(batch["input_ids"], batch["loss_mask"])
         chunk_size = self.job.train.logits_chunk_size
-        chunked = chunked_token_statistics(policy, inputs, labels, chunk_size=chunk_size, **options)
+        chunked = self.tokens.statistics(policy, inputs, labels, chunk_size=chunk_size, **options)
         if chunked is None:  # the full [batch, seq_len, vocab] logits (models/output_head.py says when)
             output = policy(**inputs, **options)
             loss_sum, count = next_token_cross_entropy_sum(output.logits, batch["input_ids"], batch["loss_mask"])

@@ -19,10 +19,13 @@ from astrai.engine import (
     DistInfo,
     Engine,
     barrier,
+    join_sequence_groups,
     lr_lambda,
     make_engine,
     module_parameters,
     resolve_precision,
+    shard_attention,
+    tile_mlps,
     zero3_building,
     zero3_loading,
 )
@@ -31,6 +34,7 @@ from astrai.export.weights import load_checkpoint_weights
 from astrai.models.lora import apply_lora, base_model_identity, critic_base_identity
 from astrai.models.policy import build_policy
 from astrai.models.segment_attention import check_packing_job, use_segment_attention
+from astrai.models.token_forward import token_forward
 from astrai.models.tokenizer import (
     TOKENIZER_DIR,
     TokenizerError,
@@ -204,6 +208,7 @@ def build_policy_model(job: JobConfig, ds_config: dict, tokenizer):
 
 def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
     seed_everything(job.train.seed)
+    dist = join_sequence_groups(dist, job.parallel.sequence_parallel_size)  # Ulysses: ranks sharing a sequence
     output_dir = Path(job.output_dir)
     skip_bad = job.data.on_bad_row == "skip"
     rows = load_rows(job.data.path, job.data.format, output_dir / "cache" / "datasets", skip_bad=skip_bad)
@@ -215,17 +220,24 @@ def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
     dataset, eval_dataset = split_eval_data(job, strategy, dataset, output_dir, dist.is_main)
     # The run's one data order: what one draw takes per rank is the strategy's (a micro-batch, or a step's prompts);
     # with data.packing a step's micro-batches are cut by tokens (TokenBalancedOrder).
-    order = make_order(job, dataset, dist, strategy.rows_per_draw(dist.world_size))
+    order = make_order(job, dataset, dist, strategy.rows_per_draw(dist.data_parallel_size))
     if job.data.packing:
         steps = job.train.max_steps or order.steps_for_epochs(job.train.epochs)
     else:
         steps = total_steps(
-            job, order.samples_per_epoch, job.train.micro_batch_size * job.train.grad_accum_steps * dist.world_size
+            job,
+            order.samples_per_epoch,
+            job.train.micro_batch_size * job.train.grad_accum_steps * dist.data_parallel_size,
         )
     ds_config = engine_config(job, source, world_size=dist.world_size)
     model = build_policy_model(job, ds_config, tokenizer)
     check_packing_job(job, model)
     model = strategy.policy_module(model, tokenizer)  # rm: the trunk under a scalar head
+    if dist.sequence_parallel_size > 1:  # every model of the job runs this attention: one wrapper serves them all
+        shard_attention(model, dist)
+        strategy.tokens = token_forward(dist)
+    if job.parallel.tiled_mlp:
+        logger.info("parallel.tiled_mlp: %d MLPs run tile by tile", tile_mlps(model))
     # DeepSpeed steps the schedule once per optimizer update; an online step (one rollout) makes several.
     # The policy does not step during online_ppo's critic warmup rollouts, so its schedule spans the rest.
     updates = strategy.optimizer_steps_per_step(dist.world_size)
@@ -246,7 +258,7 @@ def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
         job.train.train_type,
         len(dataset),
         steps,
-        job.train.micro_batch_size * job.train.grad_accum_steps * dist.world_size,
+        job.train.micro_batch_size * job.train.grad_accum_steps * dist.data_parallel_size,
         policy.zero_stage,
         resolve_precision(job.model.dtype),
         module_parameters(model) / 1e6,

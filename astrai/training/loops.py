@@ -92,12 +92,16 @@ def _to_device(batch: dict, device: torch.device) -> dict:
     return {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
 
 
-def _global_sums(sums: dict[str, float], device: torch.device) -> dict[str, float]:
-    """Sum each metric over ranks in one collective (keys sorted: every rank sends the same order)."""
+def _global_sums(sums: dict[str, float], run: Run) -> dict[str, float]:
+    """Sum each metric over ranks in one collective (keys sorted: every rank sends the same order). The ranks of
+    a sequence-parallel group each sum their whole micro-batches (models/token_forward.py): divided by its size."""
     if not sums:
         return {}
     keys = sorted(sums)
-    return dict(zip(keys, all_reduce_sums([sums[key] for key in keys], device)))
+    group = run.dist.sequence_parallel_size
+    return {
+        key: value / group for key, value in zip(keys, all_reduce_sums([sums[key] for key in keys], run.dist.device))
+    }
 
 
 def _add(sums: dict[str, float], output) -> None:
@@ -167,7 +171,10 @@ def offline_update(run: Run, micro_batches: list[dict]) -> dict[str, float]:
     (A function of its own so benchmarks/step_overhead.py times the trainer's own step, not a copy.)"""
     strategy, policy = run.strategy, run.engines["policy"]
     # Every micro-batch of the step, on every rank, divides by the same count: the update is the
-    # token mean over the whole step, whatever the split into micro-batches and ranks.
+    # token mean over the whole step, whatever the split into micro-batches and ranks. With sequence
+    # parallelism each rank of a group counts the group's whole micro-batches, so the world's sum is sp times
+    # the step's units and the divisor is units / (data-parallel ranks x accumulation): what DeepSpeed's
+    # gradient sum over the group and mean over the data-parallel ranks needs.
     loss_weight = all_reduce_sum(sum(strategy.loss_weight(b) for b in micro_batches), run.dist.device)
     normalizer = max(loss_weight, 1.0) / (run.dist.world_size * len(micro_batches))
     sums: dict[str, float] = defaultdict(float)
@@ -201,7 +208,7 @@ def train_offline(run: Run) -> TrainerState:
             state.step, state.policy_version = step, step
             step_seconds = time.perf_counter() - step_started
             state.elapsed_s = session.elapsed_s()
-            record, tokens = offline_record(_global_sums(sums, run.dist.device))
+            record, tokens = offline_record(_global_sums(sums, run))
             record.update(
                 lr=lr,
                 grad_norm=policy.grad_norm,
@@ -244,9 +251,7 @@ def train_online(run: Run) -> TrainerState:
             train_seconds = time.perf_counter() - train_started
             # 4. Record: the step's global metrics, then eval and checkpoint when due.
             state.step, state.elapsed_s, state.strategy = step, session.elapsed_s(), strategy.state_dict()
-            global_sums = _global_sums(
-                {**sums, **sample.rollout.metric_sums(), **targets.metric_sums()}, run.dist.device
-            )
+            global_sums = _global_sums({**sums, **sample.rollout.metric_sums(), **targets.metric_sums()}, run)
             record = online_record(global_sums)
             record.update(sample.metrics)  # already global: dynamic sampling's rounds and groups
             record.update(

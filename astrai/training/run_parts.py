@@ -44,4 +44,4 @@ class Run:
 
     @property
     def samples_per_step(self) -> int:
-        return self.job.train.micro_batch_size * self.job.train.grad_accum_steps * self.dist.world_size
+        return self.job.train.micro_batch_size * self.job.train.grad_accum_steps * self.dist.data_parallel_size
