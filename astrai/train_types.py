@@ -81,7 +81,7 @@ class OnlineRules(TrainTypeRules):
     """What grpo and online_ppo share: a reward, steps counted in rollouts, the KL's placement."""
 
     online = True
-    options = frozenset({"rl.packing", "rl.share_prefix"})
+    options = frozenset({"rl.packing", "rl.share_prefix", "parallel.sequence_parallel_size"})
 
     @classmethod
     def kl_loss_setting(cls, rl) -> str:
@@ -165,5 +165,5 @@ class OnlinePpoRules(OnlineRules):
 @register_rules
 class RmRules(TrainTypeRules):
     name = "rm"
-    options = frozenset({"rm.share_prefix"})
+    options = frozenset({"rm.share_prefix", "parallel.sequence_parallel_size"})
     reward_head = True

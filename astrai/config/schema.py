@@ -157,6 +157,20 @@ class JobConfig(Section):
             raise ValueError(
                 f"{key} is for {users_of('parallel.sequence_parallel_size')} in this version, not {rules.name}"
             )
+        for other, value in (
+            ("data.packing", self.data.packing and rules.online),
+            ("rl.packing", self.rl.packing),
+            ("rl.share_prefix", self.rl.share_prefix),
+            ("rm.share_prefix", self.rm.share_prefix),
+            ("rl.dynamic_sampling", self.rl.dynamic_sampling),
+        ):
+            if value:  # the sequence shards pack every micro-batch themselves; dynamic rounds are per rank
+                raise ValueError(
+                    f"{key} with `{other}`: use one of them (sequence parallelism packs every micro-batch "
+                    "into one row itself)"
+                    if other != "rl.dynamic_sampling"
+                    else f"{key} with `rl.dynamic_sampling` is not available in this version"
+                )
         if self.model.attn_implementation in ("eager", "paged|eager"):
             raise ValueError(
                 f"{key} with `model.attn_implementation: {self.model.attn_implementation}`: Ulysses needs an attention "

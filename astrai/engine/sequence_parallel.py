@@ -60,12 +60,28 @@ def join_sequence_groups(dist: DistInfo, size: int) -> DistInfo:
     return dataclasses.replace(dist, sequence_parallel_size=size, sequence_group=groups.get_sequence_parallel_group())
 
 
+class SequenceParallelState:
+    """DeepSpeed's `parallel_state_sp` module as the engines' `mpu`, but with no tensor parallelism. That module
+    aliases its model-parallel functions to the sequence-parallel group, which DeepSpeed needs (its gradient norm
+    counts each replicated parameter on model-parallel rank 0 and sums over that group); but the checkpoint's
+    metadata reads the same function as the tensor-parallel degree, and a checkpoint recorded as tp=2 cannot be
+    converted to DeepSpeed's universal form (`ds_to_universal`: "model-state file count 1 does not match
+    pp_degree=1 * tp_degree=2"), which a resume on another topology does. This answers tp=1 there alone."""
+
+    def __getattr__(self, name: str):
+        import deepspeed.runtime.sequence_parallel.parallel_state_sp as groups
+
+        return getattr(groups, name)
+
+    @staticmethod
+    def get_tensor_model_parallel_world_size() -> int:
+        return 1
+
+
 def sequence_mpu():
     """DeepSpeed's `mpu` argument for every engine of the process (policy, reference, critic): its
     sequence-parallel state once `join_sequence_groups` made the groups, else None."""
-    import deepspeed.runtime.sequence_parallel.parallel_state_sp as groups
-
-    return groups if _ACTIVE["size"] > 1 else None
+    return SequenceParallelState() if _ACTIVE["size"] > 1 else None
 
 
 def correct_zero3_reduce_scatter(ds_engine) -> None:

@@ -31,8 +31,11 @@ def load_and_check(config_path: str, overrides: list[str]):
         )
     # The launcher exports WORLD_SIZE before it starts the ranks, so batch splits are checked here too.
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # The batch geometry splits over the data-parallel ranks: a sequence-parallel group shares its rows.
+    size = job.parallel.sequence_parallel_size
+    data_parallel = world_size // size if world_size % size == 0 else world_size
     try:
-        strategy.check_job(job, world_size)
+        strategy.check_job(job, data_parallel)
     except ConfigError as error:
         raise ConfigError(f"{config_path}: {error}") from None
     check_job_parts(job, config_path, world_size)

@@ -15,6 +15,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from astrai.errors import AstraiError
+from astrai.models.activation_offload import offload_saved_activations
 from astrai.models.attention import attention_problem
 
 logger = logging.getLogger("astrai.models")
@@ -77,6 +78,8 @@ def build_policy(model_config, tokenizer: PreTrainedTokenizerBase, seed: int) ->
     if model_config.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
+        if model_config.gradient_checkpointing == "offload":
+            offload_saved_activations(model)
     return model
 
 

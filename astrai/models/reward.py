@@ -59,12 +59,17 @@ class RewardModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         cache=None,
+        every_position: bool = False,
     ) -> torch.Tensor:
         """input_ids, attention_mask, position_ids: [batch, seq_len], the response right-padded (the prompt may be
         left-padded, with position_ids). Returns rewards [batch] float32.
         cache: a transformers cache holding the prompt's keys and values (`rm.share_prefix`,
-        rollout/prefix_scoring.py); input_ids are then the response's columns, attention_mask covers both."""
+        rollout/prefix_scoring.py); input_ids are then the response's columns, attention_mask covers both.
+        every_position: the head's score at every position [batch, seq_len] instead (a sequence-parallel cut holds
+        no whole sequence: the caller gathers the cuts and reads each sequence's last token itself)."""
         hidden = trunk_states(self.trunk, input_ids, attention_mask, position_ids, cache)
+        if every_position:
+            return self.score(hidden).squeeze(-1).float()
         last = last_non_pad_positions(input_ids, self.pad_token_id)
         rows = torch.arange(input_ids.shape[0], device=input_ids.device)
         return self.score(hidden[rows, last]).squeeze(-1).float()

@@ -88,10 +88,7 @@ class SequenceShards(TokenForward):
         **options,
     ) -> TokenStatistics:
         row = packed_row(inputs, labels, self.sequence_parallel_size)
-        cut = slice(self.rank * row.cut_length, (self.rank + 1) * row.cut_length)
-        positions = row.position_ids[cut].unsqueeze(0).contiguous()
-        setattr(positions, SEQUENCE_SHARD_MARK, True)  # engine/sequence_parallel.py: run Ulysses for this forward
-        local = {"input_ids": row.input_ids[cut].unsqueeze(0), "position_ids": positions, "attention_mask": None}
+        local, cut = self._cut(row), self._slice(row)
         if "use_cache" in forward_parameters(type(getattr(model, "module", model))):
             local["use_cache"] = False
         local_labels = row.labels[cut].unsqueeze(0)
@@ -108,12 +105,28 @@ class SequenceShards(TokenForward):
         )
         if chunked is None:  # the cut's full logits: [1, T / sp, vocab], never the whole row's
             chunked = full_logits_statistics(model, local, local_labels, temperature, vocab_size, entropy, **options)
-        gather = GatheredCut.apply
-        logprobs = row.unpack(gather(chunked.logprobs[0], self.group, self.sequence_parallel_size, self.rank))
-        entropies = None
-        if chunked.entropy is not None:
-            entropies = row.unpack(gather(chunked.entropy[0], self.group, self.sequence_parallel_size, self.rank))
+        logprobs = row.unpack(self._gather(chunked.logprobs[0]))
+        entropies = None if chunked.entropy is None else row.unpack(self._gather(chunked.entropy[0]))
         return TokenStatistics(logprobs, entropies, chunked.output)
+
+    def per_position(self, function, inputs: dict) -> torch.Tensor:
+        """`function` (cut inputs: input_ids, position_ids, attention_mask None -> [1, T / sp] per position, e.g. a
+        critic's values) over this rank's cut of `inputs`' packed row, gathered and put back at [N, T]."""
+        row = packed_row(inputs, inputs["input_ids"], self.sequence_parallel_size)
+        return row.unpack(self._gather(function(self._cut(row))[0]))
+
+    def _slice(self, row: PackedRow) -> slice:
+        return slice(self.rank * row.cut_length, (self.rank + 1) * row.cut_length)
+
+    def _cut(self, row: PackedRow) -> dict:
+        """This rank's cut of the row as forward inputs, its position ids marked for Ulysses."""
+        cut = self._slice(row)
+        positions = row.position_ids[cut].unsqueeze(0).contiguous()
+        setattr(positions, SEQUENCE_SHARD_MARK, True)  # engine/sequence_parallel.py: run Ulysses for this forward
+        return {"input_ids": row.input_ids[cut].unsqueeze(0), "position_ids": positions, "attention_mask": None}
+
+    def _gather(self, cut: torch.Tensor) -> torch.Tensor:
+        return GatheredCut.apply(cut, self.group, self.sequence_parallel_size, self.rank)
 
 
 def full_logits_statistics(model, inputs, labels, temperature, vocab_size, entropy, **options) -> TokenStatistics:

@@ -32,6 +32,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from astrai.models.activation_offload import offload_saved_activations
+
 HEAD_WEIGHTS = "value_head.safetensors"
 HEAD_INFO = "value_head.json"
 HEAD_FORMAT = {"format": "astrai-value-head", "version": 1}
@@ -199,4 +201,6 @@ def build_value_model(model_config, tokenizer, seed: int, critic_path: str | Non
         logger.info("model.disable_dropout: %d dropout probabilities of the critic (%s) set to 0", changed, critic_path)
     if model_config.gradient_checkpointing:
         critic.trunk.gradient_checkpointing_enable()
+        if model_config.gradient_checkpointing == "offload":
+            offload_saved_activations(critic.trunk)
     return critic

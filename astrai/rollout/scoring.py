@@ -9,6 +9,9 @@ lives in which variant that is, never in keywords threaded through the calls:
     PackedForward         rl.packing: one packed row of the attended tokens only (rollout/packed_scoring.py)
     SharedPrefixForward   rl.share_prefix: each distinct prompt run once, the responses against its keys and
                           values (rollout/prefix_scoring.py); a model it cannot serve takes the plain forward
+    SequenceParallelForward  parallel.sequence_parallel_size > 1: the sequences packed into one row of their
+                          attended tokens, cut along its length over the sequence-parallel group (Ulysses,
+                          models/token_forward.py); each rank gets every sequence's statistics and values
 
 All give the same numbers up to float rounding. The object also holds what the job fixes for every scoring:
 the sampling temperature and the tokenizer's vocabulary (the distribution the tokens were drawn from),
@@ -29,6 +32,7 @@ from astrai.algos.logprobs import real_vocabulary, token_logprobs
 from astrai.algos.ppo import entropy_from_logits
 from astrai.models.output_head import chunked_token_statistics
 from astrai.models.policy import forward_parameters
+from astrai.models.token_forward import PLAIN_TOKENS, SequenceShards, TokenForward
 from astrai.rollout.packed_scoring import packed_response_forward, packed_response_values
 from astrai.rollout.prefix_scoring import cache_consumed, shared_prompt_forward, shared_prompt_inputs, shares_prompt
 
@@ -224,12 +228,60 @@ class SharedPrefixForward(PlainForward):
         return masked_values(critic(**shared_prompt_inputs(critic, sequences)), sequences)  # R positions: R states
 
 
-def scoring_forward(job, vocab_size: int | None = None, micro_batches: MicroBatches | None = None) -> ScoringForward:
-    """The job's scoring forward: packed with rl.packing, shared-prefix with rl.share_prefix (the schema refuses
-    both), else plain; at rollout.temperature and train.logits_chunk_size. vocab_size: the tokenizer's length;
-    micro_batches: the no-gradient forwards' cut (the strategy's `forward_batches`)."""
+class SequenceParallelForward(ScoringForward):
+    """parallel.sequence_parallel_size > 1: every forward through the job's sequence shards (`SequenceShards`),
+    which pack the attended tokens of the sequences into one row and cut it over the group; the statistics
+    and values of the whole row come back to every rank. Response token t (column P + t) is scored at column
+    P + t - 1, as in the plain forward's full-width layout."""
+
+    name = "sequence_parallel"
+
+    def __init__(self, shards: SequenceShards, *arguments):
+        super().__init__(*arguments)
+        self.shards = shards
+
+    def logits(self, model, sequences: Sequences, **options) -> tuple[torch.Tensor, object]:
+        raise NotImplementedError("sequence-parallel scoring gives statistics and values, never the full logits")
+
+    def token_statistics(
+        self, model, sequences: Sequences, entropy: str | None = None, **options
+    ) -> tuple[torch.Tensor, torch.Tensor | None, object]:
+        response_len = sequences["response_ids"].shape[1]
+        before = sequences["input_ids"].shape[1] - response_len - 1
+        labels = torch.nn.functional.pad(scored_labels(sequences), (before, 1), value=-100)
+        inputs = {key: sequences[key] for key in ("input_ids", "attention_mask", "position_ids")}
+        statistics = self.shards.statistics(
+            model,
+            inputs,
+            labels,
+            chunk_size=self.chunk_size,
+            temperature=self.temperature,
+            vocab_size=self.vocab_size,
+            entropy=entropy,
+            **options,
+        )
+        return statistics_of_chunks(statistics, slice(before, before + response_len))
+
+    def values(self, critic, sequences: Sequences) -> torch.Tensor:
+        inputs = {key: sequences[key] for key in ("input_ids", "attention_mask", "position_ids")}
+        values = self.shards.per_position(lambda cut: critic(**cut), inputs)
+        response_len = sequences["response_ids"].shape[1]
+        before = sequences["input_ids"].shape[1] - response_len - 1
+        return masked_values(values[:, before : before + response_len], sequences)
+
+
+def scoring_forward(
+    job, vocab_size: int | None = None, micro_batches: MicroBatches | None = None, tokens: TokenForward = PLAIN_TOKENS
+) -> ScoringForward:
+    """The job's scoring forward: sequence-parallel when `tokens` (the strategy's token forward) cuts sequences
+    over a group, packed with rl.packing, shared-prefix with rl.share_prefix (the schema refuses any two), else
+    plain; at rollout.temperature and train.logits_chunk_size. vocab_size: the tokenizer's length; micro_batches:
+    the no-gradient forwards' cut (the strategy's `forward_batches`)."""
+    settings = (job.rollout.temperature, vocab_size, job.train.logits_chunk_size, micro_batches)
+    if isinstance(tokens, SequenceShards):
+        return SequenceParallelForward(tokens, *settings)
     variant = PackedForward if job.rl.packing else SharedPrefixForward if job.rl.share_prefix else PlainForward
-    return variant(job.rollout.temperature, vocab_size, job.train.logits_chunk_size, micro_batches)
+    return variant(*settings)
 
 
 def sampled_distribution(logits: torch.Tensor, temperature: float, vocab_size: int | None) -> torch.Tensor:

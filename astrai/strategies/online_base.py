@@ -35,6 +35,7 @@ from astrai.data import render_rows
 from astrai.engine import all_reduce_maxes, all_reduce_sums
 from astrai.rollout import RolloutResult, build_reward, generate_rollout, reward_inputs, sampling_seed
 from astrai.rollout.generation import behaviour_logprobs_source
+from astrai.rollout.group_rollout import gather_rollout, group_share
 from astrai.rollout.packed_scoring import token_micro_batches
 from astrai.rollout.prompts import Prompts, prompt_batch
 from astrai.rollout.scoring import ScoringForward, forward_batches, scoring_forward
@@ -159,7 +160,15 @@ class OnlineStrategy(Strategy):
 
     @classmethod
     def check_job(cls, job, world_size: int) -> None:
-        batch_geometry(job, world_size)
+        """world_size: the data-parallel ranks (a sequence-parallel group shares its prompts)."""
+        geometry = batch_geometry(job, world_size)
+        size = job.parallel.sequence_parallel_size
+        if geometry.prompts_per_rank % size:
+            raise ConfigError(
+                f"parallel.sequence_parallel_size: {size} ranks share each data-parallel rank's "
+                f"{geometry.prompts_per_rank} prompts of a step (rollout.prompts_per_step / data-parallel ranks) to "
+                f"generate: use a multiple of {size} prompts per data-parallel rank"
+            )
         check_token_budget(job)
         check_dapo_settings(job)
 
@@ -176,11 +185,13 @@ class OnlineStrategy(Strategy):
         return batch_geometry(self.job, world_size).prompts_per_rank
 
     def setup(self, run: Run) -> None:
-        self.geometry = batch_geometry(self.job, run.dist.world_size)
+        # The ranks of a sequence-parallel group share their prompts and sequences: the geometry is the
+        # data-parallel ranks' (rollout/group_rollout.py splits the generation over the group).
+        self.geometry = batch_geometry(self.job, run.dist.data_parallel_size)
         self.dist = run.dist
         self.reward = build_reward(self.job.reward, run.dist.device)
         self.reference, self.reference_source = None, None
-        updates = self.optimizer_steps_per_step(run.dist.world_size)
+        updates = self.optimizer_steps_per_step(run.dist.data_parallel_size)
         logger.info(
             "%s: %d prompts x %d responses per rank per step, %d optimizer steps per step, reward %s",
             self.name,
@@ -214,9 +225,38 @@ class OnlineStrategy(Strategy):
         one round, or rl.dynamic_sampling's rounds."""
         if self.job.rl.dynamic_sampling:
             return sample_dynamically(self, policy, prompt_batches, step=step, policy_version=policy_version)
+        if self.dist.sequence_parallel_size > 1:
+            return StepSample(
+                self._group_rollout(policy, next(prompt_batches), step, policy_version),
+                self.job.rollout.prompts_per_step,
+            )
         rollout = self.rollout(policy, next(prompt_batches), step=step, policy_version=policy_version)
         self.score(rollout)
         return StepSample(rollout, self.job.rollout.prompts_per_step)
+
+    def _group_rollout(self, policy, examples: list[dict], step: int, policy_version: int) -> RolloutResult:
+        """Sequence parallelism: this rank samples and rewards its share of the group's prompts (seeded as a
+        data-parallel rank), the group gathers the shares (rollout/group_rollout.py), and the behaviour
+        log-probs of the whole rollout come from the group's sequence-parallel forward."""
+        dist = self.dist
+        share = group_share(examples, dist.sequence_parallel_size, dist.sequence_parallel_rank)
+        from_sampler = self.needs_behaviour_logprobs() and self.job.rollout.behaviour_logprobs == "sampler"
+        rollout = generate_rollout(
+            policy,
+            self.tokenizer,
+            Prompts.from_examples(share),
+            self.job.rollout,
+            seed=round_seed(self.job.train.seed, step, dist.rank, 0),
+            scoring=self.scoring if from_sampler else None,  # "sampler": kept from the sampling, no forward
+        )
+        rollout.policy_version = policy_version
+        self.score(rollout)  # each rank rewards its own share: a reward service sees every response once
+        rollout = gather_rollout(rollout, dist.sequence_group, dist.sequence_parallel_size, self.tokenizer.pad_token_id)
+        if self.needs_behaviour_logprobs() and rollout.behaviour_logprobs is None:
+            rollout.behaviour_logprobs = self.scoring.frozen_logprobs(policy, rollout.training_tensors())
+        if self.job.rl.mask_truncated:
+            rollout.loss_rows = ~rollout.truncated
+        return rollout
 
     def rollout(
         self, policy, examples: list[dict], *, step: int, policy_version: int, sampling_round: int = 0
@@ -243,7 +283,7 @@ class OnlineStrategy(Strategy):
         """The job's scoring forward (rollout/scoring.py: plain, packed or shared-prefix), built once: what the
         behaviour, reference and critic targets and the losses ask for log-probs, entropy and values. Its
         no-gradient forwards run in `forward_batches`."""
-        return scoring_forward(self.job, len(self.tokenizer), self.forward_batches)
+        return scoring_forward(self.job, len(self.tokenizer), self.forward_batches, self.tokens)
 
     def score(self, rollout: RolloutResult) -> None:
         """Set `rollout.rewards` [N] (and its components) from the `reward:` section, plus rl.overlong_penalty.
@@ -282,8 +322,11 @@ class OnlineStrategy(Strategy):
         return self.compute_loss(engine, batch, normalizer)
 
     def sum_over_ranks(self, values: list[float]) -> list[float]:
-        """Each number added over every rank (one all-reduce): what algos' step-wide statistics take."""
-        return all_reduce_sums(values, self.dist.device)
+        """Each number added over every data-parallel rank (one all-reduce): what algos' step-wide statistics take.
+        The ranks of a sequence-parallel group hold the same sequences: their sum is divided by the group's size
+        (exact for counts; a count would otherwise enter an unbiased variance's n - 1 sp times)."""
+        group = self.dist.sequence_parallel_size
+        return [value / group for value in all_reduce_sums(values, self.dist.device)]
 
     def loss_weight(self, batch: dict) -> int:
         """Loss units of the micro-batch: response tokens (token_mean) or responses with at least one
@@ -348,7 +391,7 @@ class OnlineStrategy(Strategy):
         the permutation moves whole groups (`replay_order`)."""
         geometry = self.geometry
         generator = torch.Generator().manual_seed(
-            sampling_seed(self.job.train.seed, step, self.dist.rank, stream=1 + epoch)
+            sampling_seed(self.job.train.seed, step, self.dist.data_parallel_rank, stream=1 + epoch)
         )
         order = replay_order(geometry, self.job.rollout.group_size, self.job.rl.share_prefix, generator)
         order = order.to(targets["input_ids"].device)

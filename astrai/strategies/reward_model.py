@@ -30,6 +30,8 @@ from astrai.config import ConfigError
 from astrai.data import render_rows
 from astrai.data.collate import pad_right
 from astrai.data.reward_pairs import reward_pair_batch
+from astrai.models.reward import last_non_pad_positions
+from astrai.models.token_forward import SequenceShards, TokenForward
 from astrai.rollout.prefix_scoring import shared_prompt_inputs, shares_prompt
 from astrai.rollout.sequences import join_sequences, left_pad
 from astrai.strategies.base import StepOutput, Strategy, register
@@ -125,7 +127,7 @@ class RewardModelStrategy(Strategy):
 
     def compute_loss(self, policy, batch: dict, normalizer: float) -> StepOutput:
         pairs = batch["input_ids"].shape[0] // 2
-        rewards = _rewards(policy, batch)
+        rewards = _rewards(policy, batch, self.tokens)
         chosen, rejected = rewards[:pairs], rewards[pairs:]
         margin = batch["margin"] if self.job.rm.margin_field is not None else None
         result = bradley_terry_loss(chosen, rejected, margin, self.job.rm.center_rewards_coef)
@@ -140,10 +142,17 @@ class RewardModelStrategy(Strategy):
         return StepOutput(result.losses.sum() / normalizer, sums)
 
 
-def _rewards(policy, batch: dict) -> torch.Tensor:
+def _rewards(policy, batch: dict, tokens: TokenForward) -> torch.Tensor:
     """[2B] rewards of a collated batch. A split batch (`rm.share_prefix`) runs each distinct prompt once and
     the completions against its keys and values (rollout/prefix_scoring.py, prefix = the whole prompt), or, for a
-    model that cannot share a cache, one plain forward of the left-padded rows with their positions."""
+    model that cannot share a cache, one plain forward of the left-padded rows with their positions. With
+    sequence parallelism (`tokens` cuts sequences) every position's score is gathered and each row's last
+    token read, by the rule of the plain forward."""
+    if isinstance(tokens, SequenceShards):
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        scores = tokens.per_position(lambda cut: policy(**cut, every_position=True), inputs)
+        last = last_non_pad_positions(batch["input_ids"], getattr(policy, "module", policy).pad_token_id)
+        return scores[torch.arange(scores.shape[0], device=scores.device), last]
     if "response_ids" not in batch:
         return policy(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     if shares_prompt(policy, {}):

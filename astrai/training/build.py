@@ -240,7 +240,7 @@ def build_run(job: JobConfig, dist: DistInfo, source: str) -> Run:
         logger.info("parallel.tiled_mlp: %d MLPs run tile by tile", tile_mlps(model))
     # DeepSpeed steps the schedule once per optimizer update; an online step (one rollout) makes several.
     # The policy does not step during online_ppo's critic warmup rollouts, so its schedule spans the rest.
-    updates = strategy.optimizer_steps_per_step(dist.world_size)
+    updates = strategy.optimizer_steps_per_step(dist.data_parallel_size)
     policy_steps = steps - (job.critic.warmup_rollouts if "critic" in strategy.engine_parts else 0)
     if dist.is_main:
         warn_long_warmup(job, policy_steps)

@@ -72,7 +72,12 @@ class ModelConfig(Section):
         "overrides. A name this transformers does not offer, whose package is not installed, or that the model does "
         "not support is refused before training.",
     )
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    gradient_checkpointing: bool | Literal["offload"] = Field(
+        False,
+        description="Recompute activations in backward to save memory. `offload`: also keep what the checkpointed "
+        "forward saves for backward (mostly each layer's input) in host memory, pinned on a GPU (ALST's checkpoint "
+        "offload, for long sequences).",
+    )
     zero3_init: bool = Field(
         True,
         description="Under ZeRO-3, load `model.path` weights partitioned (never a full copy per rank). A `model.init` "
@@ -109,6 +114,13 @@ class ModelConfig(Section):
         "use_rslora, use_dora, init); null: full fine-tuning. The dpo/grpo/online_ppo reference is then the same "
         "model with its adapter disabled (no second model), unless model.reference_path names one.",
     )
+
+    @field_validator("gradient_checkpointing", mode="before")
+    @classmethod
+    def _checkpointing(cls, value):
+        if isinstance(value, bool) or value == "offload":
+            return value
+        raise ValueError(f"{value!r}: use true, false or offload")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelConfig:

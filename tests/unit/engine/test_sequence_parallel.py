@@ -42,7 +42,7 @@ def test_the_job_names_what_cannot_be_cut(tmp_path):
             QUICKSTART,
             [f"output_dir={tmp_path}", "parallel.sequence_parallel_size=2", "model.attn_implementation=eager"],
         )
-    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel_size: 2` is for .*not grpo"):
+    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel_size: 2` with `rl.share_prefix`: use one"):
         load_job(
             str(REPO / "configs/quickstart_grpo.yaml"), [f"output_dir={tmp_path}", "parallel.sequence_parallel_size=2"]
         )
@@ -91,3 +91,42 @@ def test_tiled_mlp_gives_the_plain_losses_and_gradients():
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-6, atol=1e-6)
     for (name, a), b in zip(plain.named_parameters(), tiled.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_checkpoint_offload_keeps_the_numbers_and_moves_the_saved_tensors(tmp_path):
+    from astrai.models.activation_offload import offload_saved_activations
+
+    job = load_job(QUICKSTART, [f"output_dir={tmp_path}", "model.gradient_checkpointing=offload"])
+    assert job.model.gradient_checkpointing == "offload"
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=16, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=50,
+    )  # fmt: skip
+    plain, offloaded = LlamaForCausalLM(config), LlamaForCausalLM(config)
+    offloaded.load_state_dict(plain.state_dict())
+    for model in (plain, offloaded):
+        model.gradient_checkpointing_enable()
+        model.train()
+    offload_saved_activations(offloaded)
+    packed = []
+    original = torch.autograd.graph.save_on_cpu.__init__
+
+    def counting(self, *args, **kwargs):  # the real context, counted: it is entered once per forward
+        packed.append(1)
+        original(self, *args, **kwargs)
+
+    ids = torch.randint(0, 50, (2, 20))
+    torch.autograd.graph.save_on_cpu.__init__ = counting
+    try:
+        losses = [model(input_ids=ids, labels=ids).loss for model in (plain, offloaded)]
+        with torch.no_grad():
+            offloaded(input_ids=ids)  # nothing is saved without gradient: no context
+    finally:
+        torch.autograd.graph.save_on_cpu.__init__ = original
+    assert len(packed) == 1
+    for loss in losses:
+        loss.backward()
+    torch.testing.assert_close(losses[1], losses[0])
+    for a, b in zip(plain.parameters(), offloaded.parameters()):
+        torch.testing.assert_close(b.grad, a.grad)
