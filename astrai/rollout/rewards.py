@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +30,8 @@ from pathlib import Path
 import torch
 
 from astrai.errors import AstraiError
+
+logger = logging.getLogger("astrai.rewards")
 
 INPUT_NAMES = ("prompts", "responses", "prompt_ids", "response_ids", "messages", "rows")
 
@@ -278,3 +282,70 @@ def arithmetic_exact_match(responses: list[str], rows: list[dict]) -> list[float
             raise KeyError(f"data row of response {position} has no 'answer' field (fields: {sorted(row)})")
         scores.append(float(response.strip() == str(row["answer"]).strip()))
     return scores
+
+
+# math-verify's own timeouts use signal.alarm, which works only in the main thread (elsewhere it raises): there
+# each parse and each comparison is bounded by this many seconds (a timeout scores 0); in other threads they run
+# unbounded.
+MATH_VERIFY_TIMEOUT_S = 5
+_MATH_DELIMITERS = ("$", "\\boxed", "\\(", "\\[")
+_unparsable_gold_logged = False
+
+
+def math_verify(responses: list[str], rows: list[dict]) -> list[float]:
+    """1.0 when the response's final answer is mathematically equal to the row's `answer`, else 0.0, through the
+    `math-verify` library (as TRL's accuracy_reward and verl's math_verify use it): 1/2, \\frac{1}{2} and 0.5,
+    2\\sqrt{2} and \\sqrt{8}, 50\\% and 0.5 are equal; numbers to 6 decimal places.
+
+    The response's final answer is its last \\boxed{...}; else the last LaTeX or number after "final answer is" or
+    "answer"; else its last LaTeX ($...$, \\(...\\), \\[...\\]) or number. Several boxed answers form a set, so
+    hedging earns nothing. `answer` is LaTeX without delimiters ("\\frac{1}{2}", "x=2", "0.5") or text holding it
+    in $...$ or \\boxed{} (a whole worked solution). An `answer` that does not parse scores 0 for every response
+    (logged once, naming the row); a row without `answer` is an error, as in arithmetic_exact_match.
+    """
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    timeout = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    response_targets = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+    golds: dict[str, list] = {}  # a GRPO group shares its row: parse each answer once
+    scores = []
+    for position, (response, row) in enumerate(zip(responses, rows)):
+        if "answer" not in row:
+            raise KeyError(f"data row of response {position} has no 'answer' field (fields: {sorted(row)})")
+        answer = "" if row["answer"] is None else str(row["answer"]).strip()
+        if answer not in golds:
+            if any(delimiter in answer for delimiter in _MATH_DELIMITERS):
+                text, targets = answer, [LatexExtractionConfig(), ExprExtractionConfig()]
+            else:  # bare "2\\pi" or "(1, 2)": boxed, so that it is read whole as LaTeX, not as its last number
+                text, targets = f"\\boxed{{{answer}}}", [LatexExtractionConfig()]
+            golds[answer] = parse(
+                text, targets, fallback_mode="no_fallback", extraction_mode="first_match", parsing_timeout=timeout
+            )
+            if not golds[answer]:
+                _log_unparsable_gold(position, row)
+        if not golds[answer]:
+            scores.append(0.0)
+            continue
+        parsed = parse(
+            response,
+            response_targets,
+            fallback_mode="no_fallback",
+            extraction_mode="first_match",
+            parsing_timeout=timeout,
+        )
+        scores.append(float(bool(parsed) and verify(golds[answer], parsed, timeout_seconds=timeout)))
+    return scores
+
+
+def _log_unparsable_gold(position: int, row: dict) -> None:
+    global _unparsable_gold_logged
+    if not _unparsable_gold_logged:
+        _unparsable_gold_logged = True
+        shown = repr(row) if len(repr(row)) <= 300 else repr(row)[:297] + "..."
+        logger.warning(
+            "math_verify: the 'answer' %r of the data row of response %d does not parse as math, so its responses "
+            "score 0 (logged once; later rows like it score 0 too): %s",
+            row["answer"],
+            position,
+            shown,
+        )
