@@ -244,6 +244,31 @@ def sequence_geometry(job) -> tuple[int, int]:
     return job.train.micro_batch_size * strategy.sequences_per_row, job.data.max_seq_len
 
 
+def reward_model_rows(job) -> list[Row]:
+    """The reward models of `reward.model_path` (or of its components): each loaded whole, in fp32, on every rank
+    (astrai/rollout/rewards.py `ModelReward`), counted from its config.json on the meta device. A folder that does
+    not exist yet (another job's export) is named with 0 bytes."""
+    if job.reward is None:
+        return []
+    sources = [job.reward, *(job.reward.components or [])]
+    rows = []
+    for path in [source.model_path for source in sources if source.model_path is not None]:
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            rows.append(Row(f"reward model {path} (not there yet: not counted)"))
+            continue
+        import torch
+        from transformers import AutoConfig, AutoModelForSequenceClassification
+
+        with torch.device("meta"):
+            model = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(path))
+        rows.append(Row(f"reward model {os.path.basename(path.rstrip('/'))}", gpu=4 * module_size(model)))
+    return rows
+
+
+def module_size(model) -> int:
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
 def make_plan(job, source: str, world_size: int, gpu_memory_gib: float | None, host_memory: int | None = None) -> Plan:
     """Every component's bytes on one rank of `job` over `world_size` ranks."""
     import torch
@@ -279,6 +304,7 @@ def make_plan(job, source: str, world_size: int, gpu_memory_gib: float | None, h
         plan.rows += engine_rows("critic", critic.parameters, critic_config, precision, world_size, critic.trainable)
         critic_stage = critic_config["zero_optimization"]["stage"]
         plan.checkpoint_bytes += checkpoint_bytes(critic.trainable or critic.parameters, critic_stage, precision)
+    plan.rows += reward_model_rows(job)
     copy = generation_mode(job.rollout.zero3_generation, job.model.lora is not None) == "copy"
     if strategy.rules.online and stage == 3 and copy:
         # Engine.generation_module: a plain module of the policy's class and dtype, filled for the rollout.

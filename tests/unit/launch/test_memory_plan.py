@@ -387,3 +387,24 @@ def test_lora_plans_optimizer_state_for_the_adapter_and_no_reference(tmp_path):
     critic = count_shapes(AutoConfig.for_model(**TINY_INIT), critic=True, lora=load_job(config).critic.lora)
     hidden = TINY_INIT["hidden_size"]
     assert rows["critic Adam moments"] == (critic.trainable * 8, 0) and critic.trainable > hidden + 1  # head trains
+
+
+def test_a_reward_model_is_counted_whole_in_fp32_on_every_rank(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    folder = tmp_path / "rm"
+    classifier = AutoModelForSequenceClassification.from_config(AutoConfig.for_model(**TINY_INIT, num_labels=1))
+    classifier.save_pretrained(folder)
+    size = sum(parameter.numel() for parameter in classifier.parameters())
+    online = {
+        "train": {"train_type": "grpo", "micro_batch_size": 2, "max_steps": 1},
+        "data": {"path": str(REPO / "data/arithmetic/prompts_64.jsonl"), "max_seq_len": 16},
+        "rollout": {"prompts_per_step": 2, "group_size": 2, "max_new_tokens": 8},
+    }
+    config = write_job(tmp_path, **online, reward={"model_path": str(folder)})
+    rows = by_name(make_plan(load_job(config), str(config), 2, 40.0, host_memory=10**12).rows)
+    assert rows["reward model rm"] == (4 * size, 0)  # not partitioned: every rank scores its own responses
+    components = {"components": [{"model_path": str(tmp_path / "later"), "weight": 1.0}]}
+    config = write_job(tmp_path, **online, reward=components)
+    rows = by_name(make_plan(load_job(config), str(config), 2, 40.0, host_memory=10**12).rows)
+    assert rows[f"reward model {tmp_path / 'later'} (not there yet: not counted)"] == (0, 0)
