@@ -172,7 +172,7 @@ def test_no_import_circle_among_the_subpackages():
 LAYERS = [
     ("errors", "train_types", "safe_write", "_script_path"),
     ("versions", "config", "algos", "data", "checkpoint", "observability"),
-    ("engine", "models"),
+    ("engine", "models", "envs"),  # envs: tools and environments, below the rollout that runs episodes
     ("rollout", "resume"),
     ("export",),
     ("strategies",),
