@@ -4,6 +4,7 @@ verify <checkpoint>            re-hash a checkpoint against its manifest
 export-hf <checkpoint> <dest>  write a checkpoint as a Hugging Face model folder (docs/guides/export.md)
 plot <output_dir> [-o png]     draw every metric (or --metrics a,b) of metrics.jsonl against the step
 config-docs                    print the job config reference (docs/guides/config.md)
+cli-docs                       print this command-line reference, every tool's flags (docs/reference/cli.md)
 launch --config <job.yaml>     start a job on the nodes of its hostfile (docs/guides/distributed.md)
 convert <checkpoint>           a checkpoint's portable form, to resume on another topology (docs/guides/checkpoints.md)
 plan --config <job.yaml>       per-rank memory of every engine and whether it fits (docs/guides/memory.md)
@@ -12,10 +13,11 @@ plan --config <job.yaml>       per-rank memory of every engine and whether it fi
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 
-def _plot(argv: list[str]) -> int:
+def _plot_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m astrai plot",
         description="Plot every numeric metric against the step; eval/<name> beside the training <name>.",
@@ -25,7 +27,11 @@ def _plot(argv: list[str]) -> int:
     parser.add_argument(
         "--metrics", default=None, help="comma-separated metric names to draw, in that order (default: every one)"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _plot(argv: list[str]) -> int:
+    args = _plot_parser().parse_args(argv)
     import logging
 
     from astrai.observability.plot import plot_metrics
@@ -50,6 +56,13 @@ def _config_docs(argv: list[str]) -> int:
     from astrai.config.docs import render_reference
 
     sys.stdout.write(render_reference())
+    return 0
+
+
+def _cli_docs(argv: list[str]) -> int:
+    from astrai.config.cli_docs import render_cli_reference
+
+    sys.stdout.write(render_cli_reference(tool_docs()))
     return 0
 
 
@@ -85,10 +98,39 @@ TOOLS = {
     "verify": _verify,
     "export-hf": _export_hf,
     "config-docs": _config_docs,
+    "cli-docs": _cli_docs,
     "launch": _launch,
     "convert": _convert,
     "plan": _plan,
 }
+
+
+def tool_parser(tool: str) -> argparse.ArgumentParser | None:
+    """The argparse parser a tool parses its arguments with (None: it takes none), imported as lazily as the tool."""
+    if tool == "plot":
+        return _plot_parser()
+    if tool == "verify":
+        from astrai.checkpoint.cli import build_parser
+    elif tool == "export-hf":
+        from astrai.export.cli import build_parser
+    elif tool == "launch":
+        from astrai.launch.multinode import build_parser
+    elif tool == "convert":
+        from astrai.resume.topology import build_parser
+    elif tool == "plan":
+        from astrai.launch.memory_plan import build_parser
+    else:
+        return None
+    return build_parser()
+
+
+def tool_docs() -> list[tuple[str, str, argparse.ArgumentParser | None]]:
+    """(tool, its one-line purpose from this module's docstring, its parser) for every tool, as the help lists
+    them: what `cli-docs` renders into docs/reference/cli.md."""
+    lines = (re.match(r"(\S+)\s.*?\s{2,}(\S.*)$", line) for line in __doc__.splitlines())
+    purposes = {match[1]: match[2] for match in lines if match and match[1] in TOOLS}
+    order = [*purposes, *(tool for tool in TOOLS if tool not in purposes)]  # a tool the help forgot: no purpose
+    return [(tool, purposes.get(tool, ""), tool_parser(tool)) for tool in order]
 
 
 def main(argv: list[str] | None = None) -> int:

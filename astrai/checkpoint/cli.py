@@ -64,8 +64,7 @@ def check_target(
     )
 
 
-def verify_main(argv: Sequence[str] | None = None) -> int:
-    """Entry of `python -m astrai verify`; `argv` excludes the program and subcommand names."""
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="astrai verify", description=__doc__.splitlines()[0])
     parser.add_argument("path", type=Path, help="a checkpoint, a checkpoints folder, or a job's output_dir")
     parser.add_argument("--latest", action="store_true", help="verify only the newest published checkpoint")
@@ -80,6 +79,12 @@ def verify_main(argv: Sequence[str] | None = None) -> int:
         metavar="PART[,PART...]",
         help="also fail a checkpoint lacking any of these parts (e.g. policy,critic); repeatable",
     )
+    return parser
+
+
+def verify_main(argv: Sequence[str] | None = None) -> int:
+    """Entry of `python -m astrai verify`; `argv` excludes the program and subcommand names."""
+    parser = build_parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_request:  # argparse exits on bad arguments; return its status instead

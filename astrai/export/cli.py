@@ -15,7 +15,7 @@ from astrai.export.hf import export_checkpoint
 from astrai.export.weights import DTYPES, PARTS, resolve_checkpoint
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m astrai export-hf", description="Export a checkpoint as a Hugging Face model folder."
     )
@@ -47,7 +47,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--best", action="store_true", help="the best checkpoint by the run's checkpoint.keep_best, not the newest"
     )
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
 def export_main(argv: list[str]) -> int:

@@ -427,7 +427,7 @@ def positive(kind: type):
     return parse
 
 
-def plan_main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m astrai plan",
         description="Per-rank memory of a job, and whether it fits.",
@@ -454,6 +454,11 @@ def plan_main(argv: list[str]) -> int:
         help="also the longest sequence (a multiple of parallel.sequence_parallel_size) that fits, and what limits it",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return parser
+
+
+def plan_main(argv: list[str]) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     from astrai.config import ConfigError
     from astrai.launch.job_checks import load_and_check

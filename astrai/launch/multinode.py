@@ -416,7 +416,7 @@ def run(plan: LaunchPlan) -> int:
     return code if code >= 0 else 128 - code
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m astrai launch",
         description="Start a job on its nodes with DeepSpeed's launcher (docs/guides/distributed.md).",
@@ -450,13 +450,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="KEY.PATH=VALUE",
         help="override a job key, here and on every rank; repeatable",
     )
-    return parser.parse_args(argv)
+    return parser
 
 
 def launch_main(argv: list[str] | None = None) -> int:
     """Exit status: the launcher's (0 when every rank succeeded); 2 when the job or host list is wrong;
     1 when output_dir is in use."""
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     from astrai.launch.job_checks import load_and_check  # the very checks every rank runs on the job file
 
     try:

@@ -227,8 +227,7 @@ def _resolve(argument: str) -> Path:
     return latest
 
 
-def convert_main(argv: list[str]) -> int:
-    """`python -m astrai convert <checkpoint> [--world-size N] [--zero-stage S]`: 0 done, 1 failed, 2 usage."""
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m astrai convert",
         description="Write a checkpoint's portable form (full fp32 weights and Adam moments per engine) into "
@@ -249,6 +248,12 @@ def convert_main(argv: list[str]) -> int:
         default=None,
         help="the ZeRO stage you will resume with (recorded only)",
     )
+    return parser
+
+
+def convert_main(argv: list[str]) -> int:
+    """`python -m astrai convert <checkpoint> [--world-size N] [--zero-stage S]`: 0 done, 1 failed, 2 usage."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.world_size is not None and args.world_size < 1:
         parser.error(f"--world-size must be >= 1, got {args.world_size}")  # exits with status 2
