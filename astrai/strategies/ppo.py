@@ -16,7 +16,7 @@ One step (`trainer.train_online` drives it):
 Choices and departures:
 - The critic is its own engine (own optimizer, schedule, clipping, ZeRO stage), not a head on the policy:
   `vf_coef` therefore trades off nothing against the policy loss; it scales the critic's gradient, which
-  AdamW normalises away except where `critic.max_grad_norm` clips (docs/guides/rl.md).
+  AdamW normalises away except where `critic.max_grad_norm` clips (docs/guides/ppo.md).
 - Advantages are whitened over every valid token of the step on all ranks (one all-reduce), so the
   update does not depend on how many ranks share the rollout. Returns use the raw advantages.
 - V_t is read where response token t is predicted (the state before it), as the logits are.

@@ -8,7 +8,7 @@ reward model never trains on; the rest to the training file.
 
 `--every-wrong-answer` also writes reward_pairs_all.jsonl: each training prompt with every wrong answer of
 `wrong_answers` (the six near misses, and the sign flip unless the answer is 0), shuffled with the seed. A
-reward model needs those comparisons to tell the units digit (docs/guides/rl.md, "Reward model"); InstructGPT
+reward model needs those comparisons to tell the units digit (docs/guides/reward-models.md, "Reward model"); InstructGPT
 trains on all of a prompt's comparisons too. The two files above are the same with or without it.
 """
 

@@ -14,7 +14,7 @@ class RewardComponent(Section):
     function: str | None = Field(
         None,
         description="A Python callable 'package.module:function' returning one float per response (arguments: "
-        "docs/guides/rl.md).",
+        "docs/guides/reward-models.md).",
     )
     model_path: str | None = Field(
         None, description="Local AutoModelForSequenceClassification folder (one output) scoring prompt + response."

@@ -119,7 +119,7 @@ class RlConfig(Section):
         gt=0,
         description="`online_ppo`: multiplier of the critic's loss. The critic has its own optimizer, so this trades "
         "off nothing against the policy loss: with AdamW it mostly moves where critic.max_grad_norm starts clipping "
-        "(docs/guides/rl.md).",
+        "(docs/guides/ppo.md).",
     )
     value_clip: float | None = Field(
         0.2,

@@ -1,6 +1,6 @@
 """scripts/tools/make_reward_pairs.py: the three shipped pair files are what it writes (deterministic), and
 `--every-wrong-answer` adds every wrong answer of each training row (prompts.jsonl repeats some prompts, and
-some held-out prompts recur among the training rows: docs/guides/rl.md measures accuracy on both kinds)."""
+some held-out prompts recur among the training rows: docs/guides/reward-models.md measures accuracy on both kinds)."""
 
 from __future__ import annotations
 
