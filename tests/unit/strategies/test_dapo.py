@@ -4,8 +4,6 @@ and re-padded across rollouts, mask_truncated, dynamic sampling's rounds on one 
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 from pydantic import ValidationError
@@ -13,6 +11,7 @@ from pydantic import ValidationError
 from astrai.algos.dapo import informative_groups, overlong_penalty
 from astrai.config import ConfigError
 from astrai.config.schema import JobConfig
+from astrai.engine import DistInfo
 from astrai.rollout.generation import RolloutResult, generate_rollout, sampling_seed
 from astrai.rollout.groups import concatenate_rollouts, select_groups
 from astrai.rollout.prompts import Prompts, render_prompt
@@ -152,7 +151,7 @@ def tokenizer():
 def one_rank_strategy(config: JobConfig, tokenizer):
     strategy = GrpoStrategy(config, tokenizer)
     strategy.geometry = batch_geometry(config, 1)
-    strategy.dist = types.SimpleNamespace(rank=0, world_size=1, is_main=True, device=torch.device("cpu"))
+    strategy.dist = DistInfo(0, 1, 0, torch.device("cpu"), "gloo")
     strategy.reward = WeightedReward([(PositionReward(), 1.0)])
     strategy.reference = None
     return strategy

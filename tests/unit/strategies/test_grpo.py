@@ -4,7 +4,6 @@ gradient invariance the online loop's normalizer promises (1 micro-batch == 2 mi
 from __future__ import annotations
 
 import copy
-import types
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from pydantic import ValidationError
 from astrai.algos.advantages import grpo_advantages
 from astrai.config import ConfigError
 from astrai.config.schema import JobConfig
+from astrai.engine import DistInfo
 from astrai.rollout.generation import generate_rollout
 from astrai.rollout.prompts import Prompts, render_prompt
 from astrai.rollout.rewards import WeightedReward
@@ -46,7 +46,7 @@ def strategy_with(config: JobConfig, tokenizer, policy, reference=None, world=1)
     """A GrpoStrategy set up by hand: what `setup` would build, minus DeepSpeed."""
     strategy = GrpoStrategy(config, tokenizer)
     strategy.geometry = batch_geometry(config, world)
-    strategy.dist = types.SimpleNamespace(rank=0, world_size=world)
+    strategy.dist = DistInfo(0, world, 0, torch.device("cpu"), "gloo")
     strategy.reward = WeightedReward([(LengthReward(), 1.0)])
     strategy.reference = PlainEngine(reference) if reference is not None else None
     return strategy

@@ -4,7 +4,6 @@ same frozen targets, losses and gradients as the padded forwards (fp32, CPU, wit
 from __future__ import annotations
 
 import copy
-import types
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import torch
 from astrai.algos import FixedKLController
 from astrai.config import ConfigError
 from astrai.data.packing import SEGMENT_ATTENTION, PackingError, attention_of
+from astrai.engine import DistInfo
 from astrai.models.segment_attention import use_segment_attention
 from astrai.models.value import ValueModel, trunk_of
 from astrai.rollout.generation import generate_rollout
@@ -35,7 +35,7 @@ TINY = LLAMA_INIT
 
 def setup(strategy, config, reference):
     strategy.geometry = batch_geometry(config, 1)
-    strategy.dist = types.SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
+    strategy.dist = DistInfo(0, 1, 0, torch.device("cpu"), "gloo")
     strategy.reward = WeightedReward([(LengthReward(), 1.0)])
     strategy.reference = PlainEngine(reference)
     return strategy

@@ -6,7 +6,6 @@ the loss, the adaptive KL coefficient, reward preprocessing, config."""
 from __future__ import annotations
 
 import copy
-import types
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM, PreTrainedModel
 
 from astrai.algos import FixedKLController, compute_gae, kl_shaped_rewards, masked_whiten, ppo_policy_loss
 from astrai.config.schema import JobConfig, ModelConfig
+from astrai.engine import DistInfo
 from astrai.models.policy import build_policy
 from astrai.models.value import ValueModel, build_value_model, load_value_model, trunk_of
 from astrai.rollout.generation import generate_rollout
@@ -45,7 +45,7 @@ def ppo_with(config: JobConfig, tokenizer, critic: ValueModel, reference=None) -
     """A PPOStrategy set up by hand: what `setup` builds, minus DeepSpeed (one rank)."""
     strategy = PPOStrategy(config, tokenizer)
     strategy.geometry = batch_geometry(config, 1)
-    strategy.dist = types.SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
+    strategy.dist = DistInfo(0, 1, 0, torch.device("cpu"), "gloo")
     strategy.reward = WeightedReward([(LengthReward(), 1.0)])
     strategy.reference = PlainEngine(reference) if reference is not None else None
     strategy.critic = PlainEngine(critic)

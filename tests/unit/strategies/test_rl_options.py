@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import types
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from astrai.algos.advantages import FixedKLController, rloo_advantages
 from astrai.algos.kl import kl_estimate
 from astrai.config import ConfigError
 from astrai.config.schema import JobConfig
+from astrai.engine import DistInfo
 from astrai.models.value import ValueModel, trunk_of
 from astrai.rollout.generation import generate_rollout
 from astrai.rollout.prompts import Prompts, render_prompt
@@ -35,7 +35,7 @@ from tests.unit.rollout_fixtures import (
     tiny_tokenizer,
 )
 
-CPU = types.SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))
+CPU = DistInfo(0, 1, 0, torch.device("cpu"), "gloo")
 
 
 def job(train_type: str = "grpo", **sections) -> JobConfig:
