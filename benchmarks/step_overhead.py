@@ -103,7 +103,7 @@ def worker(plan: dict) -> int:
         started = time.perf_counter()
         micro_batches = [run.strategy.collate(next(batches))]
         sums = offline_update(run, micro_batches)
-        totals = _global_sums(sums, info.device)
+        totals = _global_sums(sums, run)
         seconds = time.perf_counter() - started
         if log:
             astrai_step["n"] += 1
