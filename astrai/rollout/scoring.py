@@ -124,16 +124,16 @@ class ScoringForward:
 
     def _chunked(self, model, inputs: dict, labels: torch.Tensor, entropy: str | None, **options):
         """`chunked_token_statistics` with this job's settings (None: take the full logits)."""
-        return chunked_token_statistics(
-            model,
-            inputs,
-            labels,
-            chunk_size=self.chunk_size,
-            temperature=self.temperature,
-            vocab_size=self.vocab_size,
-            entropy=entropy,
-            **options,
-        )
+        return chunked_token_statistics(model, inputs, labels, **self._statistics_settings(entropy), **options)
+
+    def _statistics_settings(self, entropy: str | None) -> dict:
+        """What the job fixes for every token-statistics forward: chunk size, temperature, vocabulary."""
+        return {
+            "chunk_size": self.chunk_size,
+            "temperature": self.temperature,
+            "vocab_size": self.vocab_size,
+            "entropy": entropy,
+        }
 
 
 class PlainForward(ScoringForward):
@@ -250,16 +250,7 @@ class SequenceParallelForward(ScoringForward):
         before = sequences["input_ids"].shape[1] - response_len - 1
         labels = torch.nn.functional.pad(scored_labels(sequences), (before, 1), value=-100)
         inputs = {key: sequences[key] for key in ("input_ids", "attention_mask", "position_ids")}
-        statistics = self.shards.statistics(
-            model,
-            inputs,
-            labels,
-            chunk_size=self.chunk_size,
-            temperature=self.temperature,
-            vocab_size=self.vocab_size,
-            entropy=entropy,
-            **options,
-        )
+        statistics = self.shards.statistics(model, inputs, labels, **self._statistics_settings(entropy), **options)
         return statistics_of_chunks(statistics, slice(before, before + response_len))
 
     def values(self, critic, sequences: Sequences) -> torch.Tensor:
