@@ -1,6 +1,7 @@
-"""scripts/gpu_check.sh --cpu: the GPU check's whole sequence (every phase, the report, the optimizer fallback)
-at a tiny shape on the CPU, in bf16 as on a GPU (DeepSpeed's bf16 engine, its checkpoints, resume, export, bf16
-rollouts; autocast in the plain loop), so that no line of it meets a GPU unrun: only the device choice differs."""
+"""scripts/gpu_check.sh --cpu: the GPU check's whole sequence (every phase, the report, the optimizer fallback, the
+long-context phase) at a tiny shape on the CPU, in bf16 as on a GPU (DeepSpeed's bf16 engine, its checkpoints,
+resume, export, bf16 rollouts; autocast in the plain loop), so that no line of it meets a GPU unrun: only the device
+choice differs."""
 
 from __future__ import annotations
 
@@ -28,7 +29,10 @@ def test_gpu_check_cpu_mode_runs_every_phase_and_reports(tmp_path):
 
     files = sorted(path.name for path in out.iterdir())
     # Exactly these: the device tool returns at most 8 files, so a phase that adds one must say so here.
-    assert files == ["console.log", "env.txt", "gpu_check.json", "gpu_check.md", "gpu_check_logs.txt"]
+    assert files == [
+        "console.log", "env.txt", "gpu_check.json", "gpu_check.md", "gpu_check_logs.txt",
+        "long_context_gpu.json", "long_context_gpu.md",
+    ]  # fmt: skip
     assert "deepspeed" in (out / "env.txt").read_text()
     results = json.loads((out / "gpu_check.json").read_text())
     assert results["args"]["precision"] == "bf16"
@@ -53,3 +57,10 @@ def test_gpu_check_cpu_mode_runs_every_phase_and_reports(tmp_path):
 
     table = (out / "gpu_check.md").read_text()
     assert "| sft_sdpa |" in table and "vs plain PyTorch" in table and "gloo all_reduce ok" in table
+
+    # The long-context phase: the planner's longest packed row for the (pretend, --cpu) device, trained 2 steps.
+    long_context = json.loads((out / "long_context_gpu.json").read_text())
+    assert long_context["planned_longest"] > 0 and long_context["rows"][0]["length"] == long_context["planned_longest"]
+    assert long_context["rows"][-1]["exit"] == 0 and long_context["rows"][-1]["steps"] == 2
+    assert long_context["rows"][-1]["measured_gib"] > 0 and long_context["rows"][-1]["planned_gib"] > 0
+    assert "long_context" in (out / "console.log").read_text()

@@ -213,3 +213,16 @@ def test_rm_share_prefix_smoke(tmp_path):
     case = result["cases"]["long"]
     assert [run["steps_timed"] for run in case["runs"]["plain"] + case["runs"]["shared"]] == [2, 2]
     assert case["plain_step_s"] > 0 and case["shared_step_s"] > 0 and case["speedup"] > 0
+
+
+@pytest.mark.slow
+def test_long_context_smoke(tmp_path):
+    # One 2-rank launch: sp=2 at 256 tokens (the search's ceiling), the planner against its peak RSS.
+    search = ["--size", "tiny", "--variants", "sp2", "--start", "256", "--resolution", "256", "--ceiling", "256"]
+    result = run_benchmark("long_context.py", tmp_path, *search, "--timing-rounds", "0")
+    (found,) = result["searches"]
+    assert found["variant"] == "sp2" and found["longest"] == 256 and found["ceiling"]
+    (run,) = result["runs"]
+    assert run["status"] == "ok" and run["sp"] == 2 and run["peak_rss_mib"] > 0 and run["tokens_per_s"] > 0
+    (planned,) = result["planner"]
+    assert planned["planned_total_mib"] > 0 and 0.5 < planned["total_ratio"] < 2
