@@ -239,6 +239,9 @@ def tile_mlps(model) -> int:
 
         module.forward = forward  # an instance attribute: the class (and other models of it) stays as it is
         tiled += 1
+    if not tiled:
+        name = type(getattr(model, "module", model)).__name__
+        raise ConfigError(f"parallel.tiled_mlp: {name} has no gated MLP (gate_proj, up_proj, down_proj) to tile")
     return tiled
 
 

@@ -130,3 +130,18 @@ def test_checkpoint_offload_keeps_the_numbers_and_moves_the_saved_tensors(tmp_pa
     torch.testing.assert_close(losses[1], losses[0])
     for a, b in zip(plain.parameters(), offloaded.parameters()):
         torch.testing.assert_close(b.grad, a.grad)
+
+
+def test_tiled_mlp_refuses_a_model_without_a_gated_mlp():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_embd=16, n_layer=1, n_head=2, vocab_size=50))
+    with pytest.raises(ConfigError, match="parallel.tiled_mlp: GPT2LMHeadModel has no gated MLP"):
+        tile_mlps(model)
+
+
+def test_a_wrong_checkpointing_value_is_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"model.gradient_checkpointing: 'yes_please': use true, false or offload"):
+        load_job(QUICKSTART, [f"output_dir={tmp_path}", "model.gradient_checkpointing=yes_please"])
+    with pytest.raises(ConfigError, match="parallel.tiled_mlp"):
+        load_job(QUICKSTART, [f"output_dir={tmp_path}", "parallel.tiled_mlp=sometimes"])
