@@ -36,18 +36,11 @@ from benchmarks.common import (  # noqa: E402
     markdown_table,
     write_results,
 )
+from benchmarks.gpu_check import CONFIG, TINY_MODEL  # noqa: E402  (the GPU check's shapes: one definition)
 
-GPU_CONFIG = REPO / "configs" / "scale_0p5b.yaml"
-# --cpu: configs/scale_0p5b.yaml shrunk to what two cores train in seconds, planned against a pretend
-# device of --cpu-memory-mib (the GPU keeps the 0.5B shape and its own memory).
-CPU_SHAPE = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 2048,
-}
+# --cpu: gpu_check.py's shape of configs/scale_0p5b.yaml shrunk to what two cores train in seconds, planned against
+# a pretend device of --cpu-memory-mib (the GPU keeps the 0.5B shape and its own memory).
+GPU_CONFIG, CPU_SHAPE = CONFIG, TINY_MODEL
 OOM = re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)
 
 
